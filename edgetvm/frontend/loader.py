@@ -1,0 +1,196 @@
+"""Reading and validating an ONNX model before any TVM conversion.
+
+Everything a user can get wrong with the input file (missing, not ONNX, truncated,
+rejected by ``onnx.checker``, ops edgetvm cannot compile) is detected here and
+reported as a :class:`~edgetvm.errors.ModelImportError` that names the file, so that
+no protobuf or TVM traceback ever reaches the user.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import dataclass
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from edgetvm.errors import ModelImportError, UnsupportedOpsError
+
+from .matmul_nbits import MATMUL_NBITS_DOMAIN, matmul_nbits_problem
+
+#: ONNX domains whose ops TVM's converter map implements (it ignores the domain).
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+#: Ops edgetvm adds to TVM's converter map, keyed by (domain, op_type), each with a
+#: function returning why one particular node cannot be imported (or None).
+EDGETVM_OPS = {(MATMUL_NBITS_DOMAIN, "MatMulNBits"): matmul_nbits_problem}
+
+# TVM's importer handles these itself instead of through its converter map.
+_TVM_DIRECTLY_HANDLED = ("Constant", "If")
+
+_EXAMPLES_PER_OP = 3
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """An ONNX model that passed every check and can be handed to the converter.
+
+    Attributes
+    ----------
+    model : onnx.ModelProto
+        The model (with external data loaded).
+    source : str
+        How to name the model in messages: its path, or ``"<ModelProto>"``.
+    opset : int
+        Version of the default (``ai.onnx``) opset.
+    """
+
+    model: onnx.ModelProto
+    source: str
+    opset: int
+
+
+def load_model(path_or_model) -> LoadedModel:
+    """Read an ONNX model, run ``onnx.checker`` and refuse unsupported ops.
+
+    Parameters
+    ----------
+    path_or_model : str, os.PathLike or onnx.ModelProto
+        The ``.onnx`` file, or an already loaded model.
+
+    Returns
+    -------
+    LoadedModel
+
+    Raises
+    ------
+    ModelImportError
+        The file is missing, unreadable, not ONNX, truncated or fails ``onnx.checker``.
+    UnsupportedOpsError
+        The model uses ops edgetvm cannot compile (all of them are listed).
+    """
+    if isinstance(path_or_model, onnx.ModelProto):
+        model, source = path_or_model, "<ModelProto>"
+    elif isinstance(path_or_model, (str, os.PathLike)):
+        source = os.fspath(path_or_model)
+        model = _read_file(source)
+    else:
+        raise ModelImportError(
+            f"import_onnx expects a path or an onnx.ModelProto, got {type(path_or_model).__name__}"
+        )
+    _check_is_onnx(model, source)
+    # Ops first: an op unknown to ONNX itself would otherwise stop at the checker's first
+    # complaint, while this lists every op the user has to deal with.
+    check_supported_ops(model, source)
+    _run_checker(model, source)
+    return LoadedModel(model=model, source=source, opset=default_opset(model))
+
+
+def _read_file(path: str) -> onnx.ModelProto:
+    if not os.path.exists(path):
+        raise ModelImportError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ModelImportError(f"{path}: is a directory, expected an .onnx file")
+    if os.path.getsize(path) == 0:
+        raise ModelImportError(f"{path}: the file is empty")
+    try:
+        return onnx.load(path)
+    except DecodeError as err:
+        # Truncated files and foreign bytes both end here: protobuf cannot tell them apart.
+        raise ModelImportError(
+            f"{path}: not a readable ONNX model (truncated or not ONNX at all): {err}"
+        ) from None
+    except (OSError, ValueError, RuntimeError) as err:
+        # Missing or unreadable external-data files surface as these.
+        raise ModelImportError(f"{path}: cannot read the model: {err}") from None
+
+
+def _check_is_onnx(model: onnx.ModelProto, source: str) -> None:
+    # Arbitrary bytes occasionally parse as an (empty) ModelProto; say so plainly.
+    if model.ir_version == 0 or not model.HasField("graph"):
+        raise ModelImportError(f"{source}: not an ONNX model (no IR version or no graph)")
+    if model.ir_version < 3:
+        raise ModelImportError(
+            f"{source}: ONNX IR version {model.ir_version} is too old (need >= 3, ONNX 1.1)"
+        )
+
+
+def _run_checker(model: onnx.ModelProto, source: str) -> None:
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelImportError(f"{source}: fails onnx.checker: {first_line}") from None
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    """Version of the model's default (``ai.onnx``) opset, 1 when none is declared."""
+    for opset in model.opset_import:
+        if opset.domain in DEFAULT_DOMAINS:
+            return int(opset.version)
+    return 1
+
+
+def iter_nodes(graph: onnx.GraphProto):
+    """Every node of ``graph`` and of its subgraphs (If/Loop bodies), depth first."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from iter_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for subgraph in attr.graphs:
+                    yield from iter_nodes(subgraph)
+
+
+def op_key(node: onnx.NodeProto) -> str:
+    """``"Op"`` for default-domain ops, ``"domain:Op"`` otherwise."""
+    return node.op_type if node.domain in DEFAULT_DOMAINS else f"{node.domain}:{node.op_type}"
+
+
+def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
+    """Number of nodes per op (see :func:`op_key`), most frequent first."""
+    counts = collections.Counter(op_key(node) for node in iter_nodes(model.graph))
+    return dict(counts.most_common())
+
+
+def check_supported_ops(model: onnx.ModelProto, source: str = "<ModelProto>") -> None:
+    """Refuse a model whose ops edgetvm cannot compile, listing every one of them.
+
+    An op is supported when TVM's Relax ONNX converter map has it (default domain only;
+    TVM picks its newest converter version not above the model's opset) or when
+    edgetvm adds it (``com.microsoft:MatMulNBits``, in the forms
+    :func:`~edgetvm.frontend.matmul_nbits.matmul_nbits_problem` accepts).
+
+    Raises
+    ------
+    UnsupportedOpsError
+        One error for the whole model: per unsupported op its count and up to three
+        example node names.
+    """
+    from tvm.relax.frontend.onnx import onnx_frontend  # heavy; only when importing
+
+    tvm_ops = set(onnx_frontend._get_convert_map()) | set(_TVM_DIRECTLY_HANDLED)
+    initializers = {init.name: init for init in model.graph.initializer}
+    unsupported: dict[str, list[str]] = collections.defaultdict(list)
+    for index, node in enumerate(iter_nodes(model.graph)):
+        name = node.name or f"#{index}"
+        edgetvm_op = EDGETVM_OPS.get((node.domain or "", node.op_type))
+        if edgetvm_op is not None:
+            problem = edgetvm_op(node, initializers)
+            if problem:
+                unsupported[f"{op_key(node)} ({problem})"].append(name)
+        elif node.domain not in DEFAULT_DOMAINS or node.op_type not in tvm_ops:
+            unsupported[op_key(node)].append(name)
+    if unsupported:
+        lines = []
+        for op, names in sorted(unsupported.items(), key=lambda item: (-len(item[1]), item[0])):
+            examples = ", ".join(names[:_EXAMPLES_PER_OP])
+            more = ", ..." if len(names) > _EXAMPLES_PER_OP else ""
+            lines.append(f"  {op}: {len(names)} node(s), e.g. {examples}{more}")
+        total = sum(len(names) for names in unsupported.values())
+        raise UnsupportedOpsError(
+            f"{source}: {len(unsupported)} unsupported op type(s) in {total} node(s):\n"
+            + "\n".join(lines)
+        )

@@ -1,0 +1,113 @@
+"""Patterns for one weight projection ``y = x @ W (+ b)``, shared by linear, MLP and lm_head.
+
+Two weight formats are recognised:
+
+- ``f32``/``f16``: ``R.matmul(x, W)`` with ``W`` a bound 2-D constant (the ONNX importer
+  binds initializers as constants with ``keep_params_in_input=False``);
+- ``w4a16``: ``R.call_tir(f, (x, packed, scales, ...))`` where the PrimFunc ``f`` carries
+  ``{"edgetvm.op": "linear_w4a16", "edgetvm.group_size": G}`` (what
+  ``edgetvm.frontend.import_onnx`` emits for com.microsoft MatMulNBits).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_const, is_gv, is_op, is_tuple, wildcard
+
+from ._fusion import dtype_of, static_shape
+
+W4A16_OP = "linear_w4a16"
+# call_tir argument tuples of MatMulNBits-style kernels: x, packed weight, scales,
+# optionally zero points and a bias.
+_W4A16_ARITIES = (3, 4, 5)
+
+
+def w4a16_call(inp):
+    """Pattern of a call_tir whose first argument is ``inp`` (checked by ``is_w4a16``)."""
+    alternatives = [
+        is_op("relax.call_tir")(
+            is_gv(""), is_tuple([inp] + [wildcard() for _ in range(n - 1)]), add_constraint=False
+        )
+        for n in _W4A16_ARITIES
+    ]
+    pattern = alternatives[0]
+    for alt in alternatives[1:]:
+        pattern = pattern | alt
+    return pattern
+
+
+def matmul_const(inp):
+    """Pattern of ``matmul(inp, W)`` with a constant weight."""
+    return is_op("relax.matmul")(inp, is_const())
+
+
+def projection(inp, bias: bool | None, name: str = ""):
+    """Pattern of one projection of ``inp`` and its annotations.
+
+    Parameters
+    ----------
+    inp : DFPattern
+        The activation input.
+    bias : bool or None
+        True: a constant bias add is required; False: none; None: optional (never use
+        None for the pattern root, see ``_fusion``).
+    name : str
+        Prefix of the annotation names (``<name>core``, ``<name>bias``).
+
+    Returns
+    -------
+    pattern : DFPattern
+    annotations : dict
+        ``core`` (the matmul / call_tir) and, if present, ``bias`` (the bias constant).
+    """
+    core = matmul_const(inp) | w4a16_call(inp)
+    bias_const = is_const()
+    with_bias = is_op("relax.add")(core, bias_const)
+    pattern = {True: with_bias, False: core, None: with_bias | core}[bias]
+    return pattern, {name + "core": core, name + "bias": bias_const}
+
+
+def is_w4a16(mod: tvm.IRModule, call: relax.Expr) -> bool:
+    """True if ``call`` is a call_tir to a PrimFunc tagged ``edgetvm.op = linear_w4a16``."""
+    if not (isinstance(call, relax.Call) and call.op == tvm.ir.Op.get("relax.call_tir")):
+        return False
+    func = mod[call.args[0]]
+    return func.attrs is not None and str(func.attrs.get("edgetvm.op", "")) == W4A16_OP
+
+
+def w4a16_group_size(mod: tvm.IRModule, call: relax.Call) -> int:
+    return int(mod[call.args[0]].attrs["edgetvm.group_size"])
+
+
+def call_tir_ok(mod: tvm.IRModule, ctx) -> bool:
+    """Every call_tir inside the match is a W4A16 linear (the check of a projection)."""
+    for value in ctx.matched_bindings.values():
+        if isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_tir"):
+            if not is_w4a16(mod, value):
+                return False
+    return True
+
+
+def weight_is_2d(ctx) -> bool:
+    """Every constant-weight matmul in the match has a 2-D weight (a projection, not bmm)."""
+    for value in ctx.matched_bindings.values():
+        if isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.matmul"):
+            if isinstance(value.args[1], relax.Constant) and len(static_shape(value.args[1])) != 2:
+                return False
+    return True
+
+
+def projection_attrs(mod: tvm.IRModule, matched: dict, name: str = "") -> dict:
+    """Attributes (features, bias, weight format, group size) of a matched projection."""
+    core = matched[name + "core"]
+    attrs = {"out_features": static_shape(core)[-1], "bias": (name + "bias") in matched}
+    if is_w4a16(mod, core):
+        attrs["weight_format"] = "w4a16"
+        attrs["group_size"] = w4a16_group_size(mod, core)
+        attrs["in_features"] = static_shape(core.args[1].fields[0])[-1]
+    else:
+        weight = core.args[1]
+        attrs["weight_format"] = dtype_of(weight)
+        attrs["in_features"] = static_shape(weight)[0]
+    return {name + k: v for k, v in attrs.items()}

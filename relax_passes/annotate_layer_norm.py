@@ -1,0 +1,57 @@
+"""AnnotateLayerNorm: layer normalisation (GPT-2, BERT-style models)."""
+
+from __future__ import annotations
+
+import tvm
+from tvm.relax.dpl import is_const, is_op, wildcard
+
+from ._fusion import RegionPattern, fuse_regions, scalar_value, static_shape
+
+
+def layer_norm_patterns() -> list[RegionPattern]:
+    """``R.nn.layer_norm`` (ONNX LayerNormalization) and its decomposed spelling
+    ``(x - mean) / sqrt(var + eps) * gamma + beta`` of older exports."""
+    x, gamma, beta, eps = wildcard(), is_const(), is_const(), is_const()
+    fused = is_op("relax.nn.layer_norm")(x, wildcard(), wildcard())
+    centred = is_op("relax.subtract")(x, is_op("relax.mean")(x))
+    square = is_op("relax.power")(centred, is_const()) | is_op("relax.multiply")(centred, centred)
+    root = is_op("relax.sqrt")(is_op("relax.add")(is_op("relax.mean")(square), eps))
+    normed = is_op("relax.divide")(centred, root)
+    affine = is_op("relax.add")(is_op("relax.multiply")(normed, gamma), beta)
+    scaled = is_op("relax.multiply")(normed, gamma)
+    annotations = {"x": x, "eps": eps}
+
+    def fused_attrs(m):
+        call = m["root"]
+        return {
+            "hidden_size": static_shape(m["x"])[-1],
+            "eps": float(call.attrs.epsilon),
+            "has_weight": True,
+        }
+
+    def decomposed_attrs(m):
+        return {
+            "hidden_size": static_shape(m["x"])[-1],
+            "eps": scalar_value(m["eps"]),
+            "has_weight": "gamma" in m,
+        }
+
+    return [
+        RegionPattern("layer_norm", fused, {"x": x, "root": fused}, None, fused_attrs),
+        RegionPattern("layer_norm", affine, {**annotations, "gamma": gamma}, None, decomposed_attrs),
+        RegionPattern("layer_norm", scaled, {**annotations, "gamma": gamma}, None, decomposed_attrs),
+        RegionPattern("layer_norm", normed, annotations, None, decomposed_attrs),
+    ]
+
+
+@tvm.transform.module_pass(opt_level=0, name="AnnotateLayerNorm")
+class AnnotateLayerNorm:
+    """Group layer normalisations into ``edgetvm.layer_norm`` composites.
+
+    Like RMSNorm this is a row-wise vector-unit kernel on the NPU; recognising both the
+    ONNX op and the decomposed form keeps older GPT-2 style exports on that path.
+    Attributes: ``hidden_size``, ``eps``, ``has_weight``.
+    """
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return fuse_regions(mod, layer_norm_patterns())

@@ -1,0 +1,127 @@
+"""Functional model: what each command does to TCM and DRAM bytes, in numpy.
+
+Views, not copies: a :class:`TcmRef` is a strided numpy view into the TCM byte array and
+a :class:`DramRef` one into a DRAM tensor, so a command costs one numpy operation.
+Arithmetic is fp32 (int32 for int8 x int8), rounded to the destination dtype on store,
+as the NPU's accumulators and vector ALUs do.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from ..isa import ITEMSIZE, DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector, eval_value
+
+_F32 = np.float32
+
+
+def tcm_view(tcm: np.ndarray, ref: TcmRef) -> np.ndarray:
+    isz = ITEMSIZE[ref.dtype]
+    return np.ndarray(ref.shape, dtype=ref.dtype, buffer=tcm, offset=ref.offset,
+                      strides=(ref.stride * isz, isz))
+
+
+def dram_view(flat: np.ndarray, ref: DramRef, offset: int) -> np.ndarray:
+    isz = flat.itemsize
+    return as_strided(flat[offset:], shape=ref.shape, strides=(ref.row_stride * isz, isz),
+                      writeable=True)
+
+
+def valid_rows(cmd, params) -> int:
+    rows = cmd.src.shape[0] if isinstance(cmd, DmaLoad) else cmd.dst.shape[0]
+    v = eval_value(cmd.valid_rows, params)
+    return rows if v is None else max(0, min(rows, v))
+
+
+def dma(cmd, tcm, src_or_dst: np.ndarray, n_rows: int) -> None:
+    """Copy ``n_rows`` rows; ``src_or_dst`` is the DRAM view."""
+    if isinstance(cmd, DmaLoad):
+        tcm_view(tcm, cmd.dst)[:n_rows] = src_or_dst[:n_rows]
+    else:
+        src_or_dst[:n_rows] = tcm_view(tcm, cmd.src)[:n_rows]
+
+
+def dequant_w4(packed: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
+               group_size: int) -> np.ndarray:
+    """(N, K//2) uint8 + (N, K//G) scales -> (N, K) fp32 weights (MatMulNBits layout)."""
+    n, half = packed.shape
+    q = np.empty((n, 2 * half), dtype=np.int16)
+    q[:, 0::2] = packed & 0x0F
+    q[:, 1::2] = packed >> 4
+    z = np.int16(8) if zeros is None else np.repeat(zeros.astype(np.int16), group_size, axis=1)
+    s = np.repeat(scales.astype(_F32), group_size, axis=1)
+    return (q - z).astype(_F32) * s
+
+
+def mma(cmd: Mma, tcm: np.ndarray) -> None:
+    a = tcm_view(tcm, cmd.a)
+    b = tcm_view(tcm, cmd.b)
+    out = tcm_view(tcm, cmd.out)
+    kind = cmd.kind
+    if kind == "int8":
+        bb = b.T if cmd.transpose_b else b
+        r = a.astype(np.int32) @ bb.astype(np.int32)
+    elif kind == "w4a16":
+        zeros = tcm_view(tcm, cmd.zeros) if cmd.zeros is not None else None
+        w = dequant_w4(b, tcm_view(tcm, cmd.scales), zeros, cmd.group_size)
+        r = a.astype(_F32) @ w.T
+    else:
+        bb = b.T if cmd.transpose_b else b
+        r = a.astype(_F32) @ bb.astype(_F32)
+    if cmd.accumulate:
+        out += r.astype(out.dtype)
+    else:
+        out[...] = r
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    # Abramowitz & Stegun 7.1.26, |error| < 1.5e-7: numpy has no erf and scipy is not a dependency.
+    t = 1.0 / (1.0 + 0.3275911 * np.abs(x))
+    y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t
+               + 0.254829592) * t * np.exp(-x * x)
+    return np.sign(x) * y
+
+
+def vector(cmd: Vector, tcm: np.ndarray, params) -> None:
+    op = cmd.op
+    dst = tcm_view(tcm, cmd.dst)
+    x = tcm_view(tcm, cmd.srcs[0]).astype(_F32)
+    if op in ("add", "sub", "mul", "max"):
+        y = _F32(cmd.imm) if len(cmd.srcs) == 1 else tcm_view(tcm, cmd.srcs[1]).astype(_F32)
+        r = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum}[op](x, y)
+    elif op == "reduce_max":
+        r = x.max(axis=1, keepdims=True)
+    elif op == "reduce_sum":
+        r = x.sum(axis=1, keepdims=True)
+    elif op == "exp":
+        r = np.exp(x)
+    elif op == "rsqrt":
+        r = 1.0 / np.sqrt(x + _F32(cmd.imm or 0.0))
+    elif op == "silu":
+        r = x / (1.0 + np.exp(-x))
+    elif op == "gelu":
+        r = 0.5 * x * (1.0 + _erf(x * _F32(0.7071067811865476)))
+    elif op in ("cast", "copy"):
+        r = tcm_view(tcm, cmd.srcs[0])
+    elif op == "rope":
+        cos = tcm_view(tcm, cmd.srcs[1]).astype(_F32)
+        sin = tcm_view(tcm, cmd.srcs[2]).astype(_F32)
+        h = x.shape[1] // 2
+        rot = np.concatenate([-x[:, h:], x[:, :h]], axis=1)
+        r = x * cos + rot * sin
+    elif op == "mask":
+        rows, cols = x.shape
+        keep = np.ones((rows, cols), dtype=bool)
+        j = np.arange(cols)[None, :]
+        limit = eval_value(cmd.limit, params)
+        if limit is not None:
+            keep &= j < limit
+        off = eval_value(cmd.causal_offset, params)
+        if off is not None:
+            keep &= (j - np.arange(rows)[:, None]) <= off
+        r = np.where(keep, x, _F32(-np.inf))
+    else:  # validated before execution
+        raise AssertionError(op)
+    if np.issubdtype(dst.dtype, np.integer) and r.dtype.kind == "f":
+        r = np.rint(r)
+    dst[...] = r

@@ -1,0 +1,235 @@
+"""Static checks of a program against a spec, before anything runs.
+
+Everything that does not depend on runtime parameters is checked here once per program:
+operand shapes and dtypes, TCM bounds, DRAM bounds of fixed windows, DMA channels, the
+event protocol. Parameter-dependent DRAM windows are checked when they execute.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from edgetvm.errors import InvalidProgramError
+
+from ..host_ops import HOST_OPS
+from ..isa import (DTYPES, VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, End, EventSignal,
+                   EventWait, HostOp, Launch, Mma, Program, TcmRef, Vector)
+
+UNIT_NAMES = ("matrix", "vector", "host")
+
+
+def command_name(cmd) -> str:
+    if isinstance(cmd, Vector):
+        return f"Vector.{cmd.op}"
+    if isinstance(cmd, HostOp):
+        return f"HostOp.{cmd.fn}"
+    return type(cmd).__name__
+
+
+def validate(program: Program, spec) -> None:
+    """Raise :class:`InvalidProgramError` naming the first offending command."""
+    if program.tcm_bytes > spec.tcm_bytes:
+        first = next((i for i, c in enumerate(program.commands)
+                      if any(r.end > spec.tcm_bytes for r in tcm_refs(c))), None)
+        raise InvalidProgramError(
+            f"TCM overflow: program {program.name!r} needs {program.tcm_bytes} bytes of TCM, "
+            f"{spec.name} has {spec.tcm_bytes}", first)
+    if not program.commands or not isinstance(program.commands[-1], End):
+        raise InvalidProgramError("the program does not end with End", len(program.commands))
+    for name in program.params:
+        if not isinstance(name, str):
+            raise InvalidProgramError(f"runtime parameter names must be strings, got {name!r}")
+    for i, cmd in enumerate(program.commands):
+        try:
+            _check_command(cmd, program, spec)
+        except InvalidProgramError as e:
+            raise InvalidProgramError(str(e), i) from None
+    _check_events(program)
+
+
+def tcm_refs(cmd) -> list:
+    refs = []
+    for f in ("dst", "src", "out", "a", "b", "scales", "zeros"):
+        r = getattr(cmd, f, None)
+        if isinstance(r, TcmRef):
+            refs.append(r)
+    if isinstance(cmd, Vector):
+        refs.extend(cmd.srcs)
+    return refs
+
+
+def _fail(msg):
+    raise InvalidProgramError(msg)
+
+
+def _check_tcm(ref, program, spec, what):
+    if not isinstance(ref, TcmRef):
+        _fail(f"{what} must be a TcmRef, got {type(ref).__name__}")
+    if ref.dtype not in DTYPES:
+        _fail(f"{what}: unknown dtype {ref.dtype!r}")
+    if len(ref.shape) != 2 or min(ref.shape) <= 0:
+        _fail(f"{what}: shape must be (rows, cols) > 0, got {ref.shape}")
+    if ref.stride < ref.shape[1]:
+        _fail(f"{what}: row stride {ref.stride} < cols {ref.shape[1]}")
+    if ref.offset < 0:
+        _fail(f"out-of-bounds TCM access: {what} starts at byte {ref.offset}")
+    if ref.end > spec.tcm_bytes:
+        _fail(f"TCM overflow: {what} touches bytes up to {ref.end}, {spec.name} has "
+              f"{spec.tcm_bytes} bytes of TCM")
+    if ref.end > program.tcm_bytes:
+        _fail(f"out-of-bounds TCM access: {what} touches bytes up to {ref.end}, beyond the "
+              f"program's declared TCM footprint of {program.tcm_bytes} bytes")
+
+
+def check_dram_bounds(ref: DramRef, decl, offset: int, what: str) -> None:
+    size = _numel(decl.shape)
+    last = offset + (ref.shape[0] - 1) * ref.row_stride + ref.shape[1]
+    if offset < 0 or last > size:
+        raise InvalidProgramError(
+            f"out-of-bounds DRAM access: {what} covers elements [{offset}, {last}) of tensor "
+            f"{ref.tensor!r}, which has {size}")
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _check_dram(ref, program, what):
+    if not isinstance(ref, DramRef):
+        _fail(f"{what} must be a DramRef, got {type(ref).__name__}")
+    decl = program.tensors.get(ref.tensor)
+    if decl is None:
+        _fail(f"{what}: no DRAM tensor {ref.tensor!r} in the program's tensor table")
+    if len(ref.shape) != 2 or min(ref.shape) <= 0 or ref.row_stride < 0:
+        _fail(f"{what}: bad window shape {ref.shape} / row stride {ref.row_stride}")
+    if isinstance(ref.offset, Affine):
+        unknown = [n for n in ref.offset.names() if n not in program.params]
+        if unknown:
+            _fail(f"{what}: offset uses undeclared runtime parameter(s) {unknown}")
+    else:
+        check_dram_bounds(ref, decl, ref.offset, what)
+    return decl
+
+
+def _check_params(value, program, what):
+    if isinstance(value, Affine):
+        unknown = [n for n in value.names() if n not in program.params]
+        if unknown:
+            _fail(f"{what} uses undeclared runtime parameter(s) {unknown}")
+
+
+def _check_command(cmd, program, spec):
+    if cmd.when is not None:
+        _check_params(cmd.when, program, "when")
+    if isinstance(cmd, (DmaLoad, DmaStore)):
+        if not 0 <= cmd.channel < spec.dma_channels:
+            _fail(f"DMA channel {cmd.channel} does not exist ({spec.name} has "
+                  f"{spec.dma_channels})")
+        tcm, dram = (cmd.dst, cmd.src) if isinstance(cmd, DmaLoad) else (cmd.src, cmd.dst)
+        _check_tcm(tcm, program, spec, "TCM operand")
+        decl = _check_dram(dram, program, "DRAM operand")
+        if decl.dtype != tcm.dtype:
+            _fail(f"DMA copies bytes: DRAM tensor {dram.tensor!r} is {decl.dtype}, TCM operand "
+                  f"is {tcm.dtype}")
+        if tuple(dram.shape) != tuple(tcm.shape):
+            _fail(f"DMA shapes differ: DRAM window {dram.shape} vs TCM {tcm.shape}")
+        _check_params(cmd.valid_rows, program, "valid_rows")
+    elif isinstance(cmd, Mma):
+        _check_mma(cmd, program, spec)
+    elif isinstance(cmd, Vector):
+        _check_vector(cmd, program, spec)
+    elif isinstance(cmd, HostOp):
+        if cmd.fn not in HOST_OPS:
+            _fail(f"unknown host op {cmd.fn!r}; known: {', '.join(sorted(HOST_OPS))}")
+        for t in tuple(cmd.inputs) + tuple(cmd.outputs):
+            if t not in program.tensors:
+                _fail(f"host op {cmd.fn!r}: no DRAM tensor {t!r}")
+    elif isinstance(cmd, (EventWait, EventSignal)):
+        if cmd.on not in UNIT_NAMES and not (cmd.on.startswith("dma") and
+                                             cmd.on[3:].isdigit() and
+                                             int(cmd.on[3:]) < spec.dma_channels):
+            _fail(f"no unit {cmd.on!r}")
+    elif not isinstance(cmd, (Launch, End)):
+        _fail(f"not a command: {type(cmd).__name__}")
+
+
+def _check_mma(cmd, program, spec):
+    for f in ("out", "a", "b"):
+        _check_tcm(getattr(cmd, f), program, spec, f"MMA operand {f}")
+    m, k = cmd.a.shape
+    kind = cmd.kind
+    if kind == "w4a16":
+        _check_tcm(cmd.scales, program, spec, "MMA scales")
+        if cmd.a.dtype != "float16" or cmd.b.dtype != "uint8" or not cmd.transpose_b:
+            _fail("W4A16 MMA needs a float16, b uint8 (N, K/2) packed with transpose_b=True")
+        if cmd.group_size <= 0 or k % cmd.group_size or cmd.group_size % 2:
+            _fail(f"W4A16 MMA: group_size {cmd.group_size} must be even and divide K={k}")
+        n = cmd.b.shape[0]
+        if cmd.b.shape[1] * 2 != k:
+            _fail(f"W4A16 MMA: packed b {cmd.b.shape} does not hold K={k} 4-bit weights per row")
+        if tuple(cmd.scales.shape) != (n, k // cmd.group_size):
+            _fail(f"W4A16 MMA: scales {cmd.scales.shape} != (N, K/group) = "
+                  f"{(n, k // cmd.group_size)}")
+        if cmd.zeros is not None:
+            _check_tcm(cmd.zeros, program, spec, "MMA zeros")
+            if tuple(cmd.zeros.shape) != tuple(cmd.scales.shape) or cmd.zeros.dtype != "uint8":
+                _fail("W4A16 MMA: zeros must be uint8 shaped like scales")
+    else:
+        want = "int8" if kind == "int8" else "float16"
+        if cmd.a.dtype != want or cmd.b.dtype != want:
+            _fail(f"MMA operands must both be float16 or both int8, got {cmd.a.dtype} x "
+                  f"{cmd.b.dtype}")
+        kb, n = (cmd.b.shape[1], cmd.b.shape[0]) if cmd.transpose_b else cmd.b.shape
+        if kb != k:
+            _fail(f"MMA: a is {cmd.a.shape}, b is {cmd.b.shape}: K differs")
+    n = cmd.mnk[1]
+    acc = "int32" if kind == "int8" else "float32"
+    if cmd.out.dtype != acc:
+        _fail(f"MMA accumulates in {acc}; out is {cmd.out.dtype}")
+    if tuple(cmd.out.shape) != (m, n):
+        _fail(f"MMA: out {cmd.out.shape} != (M, N) = {(m, n)}")
+
+
+def _check_vector(cmd, program, spec):
+    if cmd.op not in VECTOR_OP_ARITY:
+        _fail(f"unknown vector op {cmd.op!r}")
+    arity = VECTOR_OP_ARITY[cmd.op]
+    srcs = tuple(cmd.srcs)
+    binary_imm = arity == 2 and len(srcs) == 1 and cmd.imm is not None
+    if len(srcs) != arity and not binary_imm:
+        _fail(f"vector {cmd.op} takes {arity} TCM source(s), got {len(srcs)}")
+    _check_tcm(cmd.dst, program, spec, f"vector {cmd.op} dst")
+    for j, s in enumerate(srcs):
+        _check_tcm(s, program, spec, f"vector {cmd.op} src{j}")
+    rows, cols = srcs[0].shape
+    want = (rows, 1) if cmd.op.startswith("reduce_") else (rows, cols)
+    if tuple(cmd.dst.shape) != want:
+        _fail(f"vector {cmd.op}: dst {cmd.dst.shape} != {want}")
+    if arity == 2 and len(srcs) == 2 and tuple(srcs[1].shape) not in \
+            ((rows, cols), (rows, 1), (1, cols)):
+        _fail(f"vector {cmd.op}: src1 {srcs[1].shape} does not broadcast to {(rows, cols)}")
+    if cmd.op == "rope":
+        if cols % 2 or any(tuple(s.shape) != (rows, cols) for s in srcs[1:]):
+            _fail("vector rope: cos/sin must match x, and x must have an even number of cols")
+    if cmd.op == "mask":
+        _check_params(cmd.limit, program, "mask limit")
+        _check_params(cmd.causal_offset, program, "mask causal_offset")
+
+
+def _check_events(program):
+    signals = Counter()
+    for cmd in program.commands:
+        signals.update(cmd.signal)
+    waits = Counter()
+    for i, cmd in enumerate(program.commands):
+        waits.update(cmd.wait)
+        for e in set(cmd.wait):
+            if waits[e] > signals[e]:
+                if signals[e] == 0:
+                    msg = f"{command_name(cmd)} waits on event {e}, which is never signalled"
+                else:
+                    msg = (f"{command_name(cmd)} waits on event {e} for the {waits[e]}th time, "
+                           f"but it is signalled only {signals[e]} time(s)")
+                raise InvalidProgramError(msg, i)

@@ -1,0 +1,202 @@
+"""The NPU spec: one frozen description of the device, loaded from a preset file.
+
+Everything that describes the hardware lives here (VTA's ``Environment`` is the model):
+the compiler reads capacities and costs from it, the emulator reads timing and power
+from it, and its :meth:`NPUSpec.hash` is part of every tuning-log key, so a log measured
+on one device is never replayed on another.
+
+Units: cycles are NPU clock cycles, bytes are bytes, power is milliwatts (``_mw``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from edgetvm.errors import SpecError
+
+PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
+
+#: dtype keys of the matrix unit: fp16 x fp16, int8 x int8, fp16 x 4-bit weights.
+MMA_DTYPES = ("fp16", "int8", "w4a16")
+#: vector ops with a per-op cost (cycles per ``vector_lanes`` elements).
+VECTOR_OPS = ("add", "sub", "mul", "max", "reduce_max", "reduce_sum", "exp", "rsqrt",
+              "silu", "gelu", "rope", "mask", "cast", "copy")
+UNITS = ("dma", "matrix", "vector", "host")
+
+
+@dataclass(frozen=True)
+class PowerProfile:
+    """A power envelope: a budget on windowed average power and how it is enforced.
+
+    Throttling rule (DVFS): in a window whose demanded average power ``P`` exceeds
+    ``budget_mw``, the clock is scaled by ``s < 1`` so that
+    ``static_mw + (P - static_mw) * s ** dvfs_exponent == budget_mw``; the window's work
+    then takes ``1 / s`` times as long. ``dvfs_exponent`` 1 models frequency scaling at
+    fixed voltage, 3 the usual ``f * V^2`` with voltage tracking frequency.
+    """
+
+    name: str
+    budget_mw: float
+    dvfs_exponent: float = 1.0
+
+
+@dataclass(frozen=True)
+class NPUSpec:
+    """A frozen description of one edge NPU (see ``presets/*.json`` for the figures)."""
+
+    name: str
+    description: str
+    clock_mhz: float
+    # tightly coupled memory
+    tcm_bytes: int
+    tcm_banks: int
+    tcm_alignment: int
+    # DMA between DRAM (LPDDR) and TCM
+    dma_channels: int
+    dram_bytes_per_cycle: float
+    dma_setup_cycles: int
+    # matrix unit: native tile (m, n, k) and MACs per cycle per dtype
+    mma_tile: tuple
+    mma_macs_per_cycle: Mapping[str, int]
+    # vector unit
+    vector_lanes: int
+    vector_op_cycles: Mapping[str, int]
+    # control
+    launch_cycles: int
+    event_sync_cycles: int
+    # host CPU fallback
+    host_flops_per_cycle: float
+    host_switch_cycles: int
+    # power
+    power_static_mw: float
+    power_unit_mw: Mapping[str, float]
+    power_window_cycles: int
+    power_profiles: Mapping[str, PowerProfile]
+    default_profile: str = "performance"
+    source: str = field(default="", compare=False)
+
+    # -- derived figures -------------------------------------------------------------
+    @property
+    def cycle_ns(self) -> float:
+        return 1e3 / self.clock_mhz
+
+    def cycles_to_us(self, cycles: float) -> float:
+        return cycles / self.clock_mhz
+
+    def profile(self, name: str | None = None) -> PowerProfile:
+        name = name or self.default_profile
+        try:
+            return self.power_profiles[name]
+        except KeyError:
+            raise SpecError(f"{self.name}: no power profile {name!r}; "
+                            f"known: {', '.join(self.power_profiles)}") from None
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
+        d["mma_tile"] = list(self.mma_tile)
+        d["mma_macs_per_cycle"] = dict(self.mma_macs_per_cycle)
+        d["vector_op_cycles"] = dict(self.vector_op_cycles)
+        d["power_unit_mw"] = dict(self.power_unit_mw)
+        d["power_profiles"] = {k: {"budget_mw": p.budget_mw, "dvfs_exponent": p.dvfs_exponent}
+                               for k, p in self.power_profiles.items()}
+        return d
+
+    def hash(self) -> str:
+        """A stable 16-hex-digit hash of every figure (not the description)."""
+        d = self.to_dict()
+        d.pop("description")
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def replace(self, **changes) -> "NPUSpec":
+        """A copy with some figures changed (e.g. a smaller TCM in a test)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def target_tag(self) -> str:
+        return f"edgetvm/{self.name}"
+
+
+_REQUIRED = [f.name for f in dataclasses.fields(NPUSpec)
+             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
+def spec_from_dict(d: dict, source: str = "<dict>") -> NPUSpec:
+    """Build and validate an :class:`NPUSpec` from a preset's JSON object."""
+    d = {k: v for k, v in d.items() if not k.startswith("_")}  # "_comment" keys document figures
+    missing = [k for k in _REQUIRED if k not in d]
+    if missing:
+        raise SpecError(f"{source}: missing field(s): {', '.join(missing)}")
+    known = {f.name for f in dataclasses.fields(NPUSpec)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise SpecError(f"{source}: unknown field(s): {', '.join(unknown)}")
+    try:
+        profiles = {k: PowerProfile(name=k, **v) for k, v in d["power_profiles"].items()}
+        spec = NPUSpec(**{**d,
+                          "mma_tile": tuple(int(x) for x in d["mma_tile"]),
+                          "mma_macs_per_cycle": MappingProxyType(dict(d["mma_macs_per_cycle"])),
+                          "vector_op_cycles": MappingProxyType(dict(d["vector_op_cycles"])),
+                          "power_unit_mw": MappingProxyType(dict(d["power_unit_mw"])),
+                          "power_profiles": MappingProxyType(profiles),
+                          "source": source})
+    except (TypeError, ValueError, AttributeError) as e:
+        raise SpecError(f"{source}: malformed spec: {e}") from None
+    _validate(spec)
+    return spec
+
+
+def _validate(s: NPUSpec) -> None:
+    problems = []
+    for name in ("clock_mhz", "tcm_bytes", "tcm_banks", "tcm_alignment", "dma_channels",
+                 "dram_bytes_per_cycle", "vector_lanes", "power_window_cycles",
+                 "host_flops_per_cycle"):
+        if not getattr(s, name) > 0:
+            problems.append(f"{name} must be > 0")
+    if len(s.mma_tile) != 3 or min(s.mma_tile) <= 0:
+        problems.append("mma_tile must be three positive ints (m, n, k)")
+    for k in MMA_DTYPES:
+        if s.mma_macs_per_cycle.get(k, 0) <= 0:
+            problems.append(f"mma_macs_per_cycle[{k!r}] missing or not > 0")
+    for op in VECTOR_OPS:
+        if s.vector_op_cycles.get(op, 0) <= 0:
+            problems.append(f"vector_op_cycles[{op!r}] missing or not > 0")
+    for u in UNITS:
+        if u not in s.power_unit_mw:
+            problems.append(f"power_unit_mw[{u!r}] missing")
+    if s.default_profile not in s.power_profiles:
+        problems.append(f"default_profile {s.default_profile!r} is not a power profile")
+    for p in s.power_profiles.values():
+        if p.budget_mw <= s.power_static_mw:
+            problems.append(f"profile {p.name!r}: budget_mw must exceed power_static_mw")
+        if p.dvfs_exponent <= 0:
+            problems.append(f"profile {p.name!r}: dvfs_exponent must be > 0")
+    if problems:
+        raise SpecError(f"{s.source}: " + "; ".join(problems))
+
+
+def list_presets() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".json"))
+
+
+def load_spec(name_or_path: str) -> NPUSpec:
+    """Load a preset by name (``edge-npu-16mb``) or a spec JSON file by path."""
+    if isinstance(name_or_path, NPUSpec):
+        return name_or_path
+    path = name_or_path
+    if not os.path.exists(path):
+        path = os.path.join(PRESET_DIR, f"{name_or_path}.json")
+    if not os.path.exists(path):
+        raise SpecError(f"unknown NPU preset or spec file {name_or_path!r}; "
+                        f"presets: {', '.join(list_presets())}")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecError(f"{path}: cannot read spec: {e}") from None
+    return spec_from_dict(d, source=path)
