@@ -12,7 +12,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import onnx
 import tvm
 from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend

@@ -30,6 +30,7 @@ EDGETVM_OPS = {(MATMUL_NBITS_DOMAIN, "MatMulNBits"): matmul_nbits_problem}
 _TVM_DIRECTLY_HANDLED = ("Constant", "If")
 
 _EXAMPLES_PER_OP = 3
+_PROTOBUF_LIMIT_BYTES = 2**31
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,12 @@ def load_model(path_or_model) -> LoadedModel:
     UnsupportedOpsError
         The model uses ops edgetvm cannot compile (all of them are listed).
     """
+    path = None
     if isinstance(path_or_model, onnx.ModelProto):
         model, source = path_or_model, "<ModelProto>"
     elif isinstance(path_or_model, (str, os.PathLike)):
-        source = os.fspath(path_or_model)
-        model = _read_file(source)
+        path = source = os.fspath(path_or_model)
+        model = _read_file(path)
     else:
         raise ModelImportError(
             f"import_onnx expects a path or an onnx.ModelProto, got {type(path_or_model).__name__}"
@@ -83,7 +85,7 @@ def load_model(path_or_model) -> LoadedModel:
     # Ops first: an op unknown to ONNX itself would otherwise stop at the checker's first
     # complaint, while this lists every op the user has to deal with.
     check_supported_ops(model, source)
-    _run_checker(model, source)
+    _run_checker(model, source, path)
     return LoadedModel(model=model, source=source, opset=default_opset(model))
 
 
@@ -116,10 +118,12 @@ def _check_is_onnx(model: onnx.ModelProto, source: str) -> None:
         )
 
 
-def _run_checker(model: onnx.ModelProto, source: str) -> None:
+def _run_checker(model: onnx.ModelProto, source: str, path=None) -> None:
+    # Protobuf cannot serialise >2 GB, so the checker must read big models from the file.
+    too_big = model.ByteSize() >= _PROTOBUF_LIMIT_BYTES
     try:
-        onnx.checker.check_model(model)
-    except (onnx.checker.ValidationError, ValueError) as err:
+        onnx.checker.check_model(path if too_big and path is not None else model)
+    except Exception as err:  # ValidationError, or ValueError/RuntimeError from the C++ side
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelImportError(f"{source}: fails onnx.checker: {first_line}") from None
 

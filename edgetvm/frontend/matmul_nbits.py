@@ -217,7 +217,7 @@ def _as_2d_or_3d(bb: relax.BlockBuilder, expr: relax.Expr, shape: tuple[int, ...
         if array.shape == shape:
             return expr
         if array.size != int(np.prod(shape)):
-            raise ValueError(f"MatMulNBits tensor of shape {array.shape} cannot be viewed as {shape}")
+            raise ValueError(f"MatMulNBits tensor {array.shape} cannot be viewed as {shape}")
         return relax.const(array.reshape(shape), str(array.dtype))
     known = expr.ty.shape
     if known is not None and all(isinstance(d, tirx.IntImm) for d in known.values):

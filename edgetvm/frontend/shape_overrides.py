@@ -34,7 +34,10 @@ def apply_shape_overrides(
         input and in expressions that use it (``{"batch_size": 1}`` also turns
         ``"past_sequence_length + batch_size"`` into ``"past_sequence_length + 1"``),
         or a graph input name mapped to its full shape (ints, or names for symbolic
-        dimensions), e.g. ``{"input_ids": [1, "sequence_length"]}``.
+        dimensions), e.g. ``{"input_ids": [1, "sequence_length"]}``. Prefer names: a
+        dimension fixed in one input but left symbolic in another (batch 1 in
+        ``input_ids``, ``batch_size`` in the KV cache) cannot be broadcast by Relax
+        and the import fails.
     source : str
         The model's name for error messages.
 
@@ -59,7 +62,9 @@ def apply_shape_overrides(
             _set_input_shape(graph_inputs[key], value, source)
         elif key in dim_names:
             if not isinstance(value, int) or value <= 0:
-                raise ModelImportError(f"{source}: shape override {key}={value!r} must be a positive int")
+                raise ModelImportError(
+                    f"{source}: shape override {key}={value!r} must be a positive int"
+                )
             by_dim_name[key] = value
         else:
             raise ModelImportError(

@@ -1,0 +1,246 @@
+"""Lower a scheduled s_tir PrimFunc to an NPU program.
+
+The pipeline, in order (each step is a small module):
+
+1. ``interpret``: run the loop structure, one :class:`TileOp` per ``npu.op`` loop nest;
+2. ``tcm_alloc``: compact TCM buffers to their footprints, slots, place them by lifetime
+   (reject the candidate if they do not fit);
+3. ``sync``: the events every op must wait on (RAW, WAR, WAW across units);
+4. emission (here): concrete TCM addresses, DRAM windows, one or more ISA commands per op.
+"""
+from __future__ import annotations
+
+import numpy as np
+from tvm import tirx
+
+from edgetvm.errors import CandidateRejected
+
+from ..builder import ProgramBuilder
+from ..isa import DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector
+from .interpret import Interpreter
+from .sync import insert_events
+from .tcm_alloc import locate, plan_tcm
+
+
+def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None,
+                   consts: dict | None = None, params: dict | None = None):
+    """Compile a scheduled PrimFunc into a :class:`~edgetvm.target.isa.Program`.
+
+    Parameters
+    ----------
+    func : the scheduled PrimFunc (``sch.mod["main"]``) with ``npu.op`` loop annotations.
+    spec : the NPU spec.
+    outputs : names of the PrimFunc's output buffers (default: the last parameter).
+    consts : name -> array for parameters that are weights (shipped in the program).
+    """
+    consts = consts or {}
+    interp = Interpreter(func)
+    ops = interp.run()
+    if not ops:
+        raise CandidateRejected("the schedule produced no NPU operation")
+    kinds = interp.buffers
+    tcm, tcm_bytes = plan_tcm(ops, kinds, spec)
+    units = _assign_units(ops, kinds, spec)
+    waits, signals = insert_events(ops, units, kinds, tcm)
+
+    b = ProgramBuilder(name, spec)
+    param_bufs = list(func.params)    # TVM 0.27: buffer params are Vars of BufferType
+    out_names = set(outputs or [param_bufs[-1].name])
+    for buf in param_bufs:
+        n = buf.name
+        kind = "const" if n in consts else "output" if n in out_names else "input"
+        b.tensor(n, [int(s) for s in buf.shape], str(buf.dtype), kind, consts.get(n))
+    for buf, k in kinds.items():
+        if k == "dram_scratch":
+            b.tensor(buf.name, [int(s) for s in buf.shape], str(buf.dtype), "scratch")
+    for op in ops:
+        cmds = _commands(op, units[op.index], kinds, tcm)
+        if not cmds:
+            continue
+        cmds[0] = _with(cmds[0], wait=tuple(waits[op.index]))
+        cmds[-1] = _with(cmds[-1], signal=tuple(signals[op.index]))
+        for c in cmds:
+            b.emit(c)
+    b._events = max([e for s in signals.values() for e in s] + [-1]) + 1
+    return b.build(tcm_bytes=tcm_bytes, tile_ops=len(ops),
+                   tcm_buffers={t.name: {"offset": t.offset, "footprint": list(t.footprint),
+                                         "slots": t.slots} for t in tcm.values()})
+
+
+def _with(cmd, **changes):
+    import dataclasses
+    return dataclasses.replace(cmd, **changes)
+
+
+def _assign_units(ops, kinds, spec) -> dict:
+    """DMA channel per op: the schedule's ``npu.channel``, else loads rotate over the
+    channels (so one transfer's setup hides behind another's data) and stores use the
+    last channel (so a store waiting for compute does not block the next loads)."""
+    units = {}
+    n = spec.dma_channels
+    load_ch = 0
+    for op in ops:
+        if op.kind == "mma":
+            units[op.index] = "matrix"
+        elif op.kind == "vector":
+            units[op.index] = "vector"
+        else:
+            store = kinds.get(op.writes[0].buffer) == "param" or \
+                kinds.get(op.writes[0].buffer) == "dram_scratch"
+            ch = op.attrs.get("channel")
+            if ch is None:
+                if store:
+                    ch = n - 1
+                else:
+                    ch = load_ch % (n - 1 if n > 1 else 1)
+                    load_ch += 1
+            if not 0 <= int(ch) < n:
+                raise CandidateRejected(f"DMA channel {ch} does not exist ({spec.name} has {n})")
+            units[op.index] = f"dma{int(ch)}"
+    return units
+
+
+# -- emission ---------------------------------------------------------------------------
+def _row_major_strides(shape) -> tuple:
+    st, acc = [], 1
+    for e in reversed(shape):
+        st.append(acc)
+        acc *= e
+    return tuple(reversed(st))
+
+
+def _pieces(extents, strides_a, strides_b):
+    """Split a box copy into 2-D pieces valid on both sides.
+
+    Returns (rows, cols, row_stride_a, row_stride_b, [(elem_off_a, elem_off_b), ...])."""
+    dims = [(e, sa, sb) for e, sa, sb in zip(extents, strides_a, strides_b) if e > 1]
+    merged = []
+    for e, sa, sb in dims:
+        if merged and merged[-1][1] == e * sa and merged[-1][2] == e * sb:
+            pe, _, _ = merged[-1]
+            merged[-1] = (pe * e, sa, sb)
+        else:
+            merged.append((e, sa, sb))
+    if not merged or merged[-1][1] != 1 or merged[-1][2] != 1:
+        merged.append((1, 1, 1))
+    cols = merged[-1][0]
+    rows, rsa, rsb = merged[-2] if len(merged) >= 2 else (1, cols, cols)
+    outer = merged[:-2]
+    offsets = [(0, 0)]
+    for e, sa, sb in outer:
+        offsets = [(oa + i * sa, ob + i * sb) for oa, ob in offsets for i in range(e)]
+    return rows, cols, rsa, rsb, offsets
+
+
+def _commands(op, unit, kinds, tcm) -> list:
+    if op.kind == "dma":
+        return _dma(op, unit, kinds, tcm)
+    if op.kind == "mma":
+        return [_mma(op, tcm)]
+    return [_vector(op, tcm)]
+
+
+def _dma(op, unit, kinds, tcm):
+    src, dst = op.reads[0], op.writes[0]
+    load = kinds.get(dst.buffer) == "tcm"
+    tbox, dbox = (dst, src) if load else (src, dst)
+    tb = tcm[tbox.buffer]
+    t_off, rel, _ = locate(tb, op.index, tbox)
+    dshape = [int(s) for s in dbox.buffer.shape]
+    dst_strides = _row_major_strides(dshape)
+    d_off = sum(l * s for l, s in zip(dbox.lo, dst_strides))
+    rows, cols, rs_d, rs_t, offs = _pieces(dbox.extents, dst_strides, tb.strides())
+    ch = int(unit[3:])
+    cmds = []
+    for od, ot in offs:
+        tref = TcmRef(t_off + ot * tb.itemsize, (rows, cols), tb.dtype, rs_t)
+        dref = DramRef(dbox.buffer.name, (rows, cols), rs_d, d_off + od)
+        cmds.append(DmaLoad(dst=tref, src=dref, channel=ch) if load
+                    else DmaStore(dst=dref, src=tref, channel=ch))
+    return cmds
+
+
+def _tcm_2d(tcm, op_index, box) -> TcmRef:
+    """An MMA operand: the box's last two dims as (rows, cols); leading dims must be unit."""
+    tb = tcm.get(box.buffer)
+    if tb is None:
+        raise CandidateRejected(f"operand {box.buffer.name!r} of an NPU compute op is not in "
+                                f"TCM (cache it into 'global.tcm' in the schedule)")
+    off, _, _ = locate(tb, op_index, box)
+    ext, st = box.extents, tb.strides()
+    if len(ext) == 1:
+        return TcmRef(off, (1, ext[0]), tb.dtype, 0)
+    if any(e != 1 for e in ext[:-2]):
+        raise CandidateRejected(f"MMA operand {box.buffer.name!r} box {ext} is not a 2-D tile")
+    return TcmRef(off, (ext[-2], ext[-1]), tb.dtype, st[-2])
+
+
+def _mma(op, tcm) -> Mma:
+    out = _tcm_2d(tcm, op.index, op.writes[0])
+    reads = [_tcm_2d(tcm, op.index, r) for r in op.reads]
+    packed = [k for k, r in enumerate(op.reads) if str(r.buffer.dtype) == "uint8"]
+    if packed:
+        w = reads[packed[0]]
+        zeros = reads[packed[1]] if len(packed) > 1 else None
+        floats = [r for k, r in enumerate(reads) if k not in packed]
+        a, scales = floats[0], floats[1]
+        k = a.shape[1]
+        group = k // scales.shape[1]
+        return Mma(out=out, a=a, b=w, scales=scales, zeros=zeros, group_size=group,
+                   transpose_b=True, accumulate=op.attrs["accumulate"])
+    a, bb = reads[0], reads[1]
+    return Mma(out=out, a=a, b=bb, transpose_b=op.attrs["transpose_b"],
+               accumulate=op.attrs["accumulate"])
+
+
+def _vector(op, tcm) -> Vector:
+    """Vector operands as (rows, cols) of the op's iteration space: rows = the outer
+    non-unit iter var, cols = the inner one (the reduced one for reductions)."""
+    ext = op.attrs["iter_ext"]
+    live = [p for p, e in enumerate(ext) if e > 1]
+    if len(live) > 2:
+        raise CandidateRejected(f"vector op {op.op!r} on block {op.block!r} spans "
+                                f"{len(live)} non-unit loops; tile it to 2-D in the schedule")
+    row_var = live[0] if len(live) == 2 else None
+    col_var = live[-1] if live else None
+
+    def ref(box):
+        tb = tcm.get(box.buffer)
+        if tb is None:
+            raise CandidateRejected(f"operand {box.buffer.name!r} of vector op {op.op!r} is "
+                                    f"not in TCM")
+        off, _, _ = locate(tb, op.index, box)
+        st = tb.strides()
+        rows = cols = 1
+        rs = cs = None
+        for d, moves in enumerate(box.axes):
+            if row_var is not None and row_var in moves and box.extents[d] > 1:
+                rows, rs = box.extents[d], st[d]
+            elif col_var is not None and col_var in moves and box.extents[d] > 1:
+                cols, cs = box.extents[d], st[d]
+        if cs not in (None, 1):
+            if cols > 1 and rows == 1:
+                return TcmRef(off, (cols, 1), tb.dtype, cs)   # a column vector
+            raise CandidateRejected(f"vector operand {box.buffer.name!r}: columns are not "
+                                    f"contiguous in TCM")
+        return TcmRef(off, (rows, cols), tb.dtype, rs or cols)
+
+    dst = ref(op.writes[0])
+    srcs = tuple(ref(r) for r in op.reads)
+    if op.op.startswith("reduce_"):
+        rows = srcs[0].shape[0]
+        dst = TcmRef(dst.offset, (rows, 1), dst.dtype,
+                     dst.stride if dst.shape == (rows, 1) else 1)
+    else:
+        srcs = tuple(_broadcast(s, dst.shape) for s in srcs)
+    limit = op.attrs.get("limit")
+    causal = op.attrs.get("causal_offset")
+    return Vector(op=op.op, dst=dst, srcs=srcs, imm=op.attrs.get("imm"),
+                  limit=limit, causal_offset=causal)
+
+
+def _broadcast(src: TcmRef, shape) -> TcmRef:
+    rows, cols = shape
+    if src.shape == (1, rows) and rows != cols:     # a row-indexed vector laid out flat
+        return TcmRef(src.offset, (rows, 1), src.dtype, 1)
+    return src

@@ -1,0 +1,115 @@
+"""TCM allocation: compact every TCM buffer to its per-instance footprint, give it
+``slots`` copies, and place buffers by lifetime (buffers never live at once share bytes).
+
+An *instance* of a TCM buffer is one iteration of the innermost loop that encloses all of
+its accesses (the loop it is allocated in after TVM's ``CompactBufferAllocation``); its
+footprint is the box its accesses cover in that iteration. Consecutive instances rotate
+through the slots, which is what double buffering is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgetvm.errors import CandidateRejected
+
+
+@dataclass
+class TcmBuffer:
+    buffer: object
+    name: str
+    dtype: str
+    itemsize: int
+    footprint: tuple = ()
+    slots: int = 1
+    first_op: int = 0
+    last_op: int = 0
+    instance_base: dict = field(default_factory=dict)   # instance key -> lo per dim
+    op_instance: dict = field(default_factory=dict)     # op index -> instance number
+    offset: int = 0
+    slot_stride: int = 0
+
+    @property
+    def slot_bytes(self) -> int:
+        return int(np.prod(self.footprint, dtype=np.int64)) * self.itemsize
+
+    def strides(self) -> tuple:
+        st, acc = [], 1
+        for e in reversed(self.footprint):
+            st.append(acc)
+            acc *= e
+        return tuple(reversed(st))
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def plan_tcm(ops, tcm_kinds: dict, spec) -> tuple[dict, int]:
+    """Footprints, slots and offsets of every TCM buffer; returns (buffers, total bytes)."""
+    uses: dict = {}
+    for op in ops:
+        for box in op.reads + op.writes:
+            if tcm_kinds.get(box.buffer) == "tcm":
+                uses.setdefault(box.buffer, []).append((op, box))
+    plans = {}
+    for buf, lst in uses.items():
+        paths = [[uid for uid, _ in op.path] for op, _ in lst]
+        depth = 0
+        while all(len(p) > depth for p in paths) and len({p[depth] for p in paths}) == 1:
+            depth += 1
+        tb = TcmBuffer(buf, buf.name, str(buf.dtype), np.dtype(str(buf.dtype)).itemsize)
+        tb.first_op = min(op.index for op, _ in lst)
+        tb.last_op = max(op.index for op, _ in lst)
+        tb.slots = max([op.attrs.get("slots", 1) for op, b in lst if b in op.writes] or [1])
+        lo_of, hi_of, order = {}, {}, {}
+        for op, box in lst:
+            key = tuple(v for _, v in op.path[:depth])
+            order.setdefault(key, len(order))
+            tb.op_instance[op.index] = order[key]
+            lo = lo_of.get(key)
+            lo_of[key] = box.lo if lo is None else tuple(map(min, lo, box.lo))
+            hi = hi_of.get(key)
+            hi_of[key] = box.hi if hi is None else tuple(map(max, hi, box.hi))
+        tb.instance_base = {order[k]: lo_of[k] for k in order}
+        tb.footprint = tuple(max(hi_of[k][d] - lo_of[k][d] for k in order)
+                             for d in range(len(buf.shape)))
+        plans[buf] = tb
+    total = _place(list(plans.values()), spec.tcm_alignment)
+    if total > spec.tcm_bytes:
+        detail = ", ".join(f"{t.name} {t.footprint}x{t.slots} slot(s) = "
+                           f"{t.slot_bytes * t.slots} B"
+                           for t in sorted(plans.values(), key=lambda t: -t.slot_bytes * t.slots))
+        raise CandidateRejected(f"TCM overflow: the live TCM buffers need {total} bytes, "
+                                f"{spec.name} has {spec.tcm_bytes} ({detail})")
+    return plans, total
+
+
+def _place(bufs, alignment) -> int:
+    """Greedy by size: the lowest offset not overlapping a placed buffer live at once."""
+    placed = []
+    top = 0
+    for t in sorted(bufs, key=lambda t: (-t.slot_bytes * t.slots, t.first_op)):
+        size = _align(t.slot_bytes, alignment) * t.slots
+        live = sorted((p.offset, p.offset + _align(p.slot_bytes, alignment) * p.slots)
+                      for p in placed if not (p.last_op < t.first_op or t.last_op < p.first_op))
+        off = 0
+        for a, b in live:
+            if off + size <= a:
+                break
+            off = max(off, _align(b, alignment))
+        t.offset = off
+        t.slot_stride = _align(t.slot_bytes, alignment)
+        placed.append(t)
+        top = max(top, off + size)
+    return top
+
+
+def locate(tb: TcmBuffer, op_index: int, box) -> tuple:
+    """(byte offset of the box's first element, footprint-relative lo, slot) of an access."""
+    inst = tb.op_instance[op_index]
+    slot = inst % tb.slots
+    rel = tuple(l - b for l, b in zip(box.lo, tb.instance_base[inst]))
+    elem = sum(r * s for r, s in zip(rel, tb.strides()))
+    return tb.offset + slot * tb.slot_stride + elem * tb.itemsize, rel, slot

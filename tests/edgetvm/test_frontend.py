@@ -1,0 +1,414 @@
+"""Tests of edgetvm.frontend: ONNX import, symbolic lengths, W4A16, refusals.
+
+Every model is compiled once (module-scoped cache) and run at several lengths; all its
+outputs (logits and present.*) are compared with onnxruntime on the same inputs.
+
+Tolerances: the fp32 tiny Llama matches onnxruntime to ~1e-6 (measured), asserted with
+``FP32_TOL`` (atol = rtol = 1e-5); the 4-bit model dequantises in a different order than
+onnxruntime (same float32 math), measured ~1e-6, asserted with ``W4_TOL`` (5e-5).
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax, tirx
+from tvm.relax.frontend.onnx import onnx_frontend
+
+from edgetvm.errors import ModelImportError, UnsupportedOpsError
+from edgetvm.frontend import ImportedModel, import_onnx
+from edgetvm.frontend.matmul_nbits import LINEAR_W4A16
+
+ort = pytest.importorskip("onnxruntime")
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+# examples/ ships llama_tiny_with_past.onnx so the main test always runs; the other four
+# come from the shared model folder next to the repository.
+MODEL_DIRS = (REPO / "examples", REPO.parent / "shared" / "models")
+TARGET = {"kind": "llvm", "num-cores": 2}
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+W4_TOL = dict(atol=5e-5, rtol=5e-5)
+
+# (model file, [(sequence length, past length), ...], tolerance). Several lengths per
+# model run on ONE compiled module: that only works if the lengths stayed symbolic.
+MODEL_CASES = [
+    ("llama_tiny_with_past.onnx", [(6, 0), (1, 0), (1, 7)], FP32_TOL),
+    ("llama_tiny_prefill_dynamic.onnx", [(5, 0), (11, 0)], FP32_TOL),
+    ("llama_tiny_prefill_s8.onnx", [(8, 0)], FP32_TOL),
+    ("llama_tiny_decode_p8.onnx", [(1, 8)], FP32_TOL),
+    ("llama_tiny_decode_p8_w4.onnx", [(1, 8)], W4_TOL),
+]
+
+
+def model_path(name: str) -> pathlib.Path:
+    for directory in MODEL_DIRS:
+        if (directory / name).is_file():
+            return directory / name
+    pytest.skip(f"test model {name} not found in {' or '.join(map(str, MODEL_DIRS))}")
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(name: str):
+    """(ImportedModel, VirtualMachine, onnxruntime session) of a test model, built once."""
+    path = model_path(name)
+    imported = import_onnx(path)
+    mod = relax.transform.DecomposeOpsForInference()(imported.mod)
+    executable = tvm.compile(mod, target=tvm.target.Target(TARGET))
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return imported, vm, session
+
+
+def llama_feeds(session, seq: int, past: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs for one call of a Llama export: batch 1, ``seq`` new tokens, ``past`` cached."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for value in session.get_inputs():
+        if value.name == "input_ids":
+            feeds[value.name] = rng.integers(0, 2048, (1, seq), dtype=np.int64)
+        elif value.name == "attention_mask":
+            mask = np.ones((1, past + seq), np.int64)
+            mask[:, : min(2, past)] = 0  # left padding in the cache exercises the mask path
+            feeds[value.name] = mask
+        elif value.name == "position_ids":
+            feeds[value.name] = np.arange(past, past + seq, dtype=np.int64)[None]
+        elif value.name.startswith("past_key_values"):
+            _, kv_heads, _, head_dim = value.shape
+            feeds[value.name] = rng.standard_normal((1, kv_heads, past, head_dim)).astype("float32")
+        else:
+            raise AssertionError(f"unexpected model input {value.name}")
+    return feeds
+
+
+def run_vm(vm, imported: ImportedModel, feeds) -> list[np.ndarray]:
+    result = vm["main"](*[tvm.runtime.tensor(feeds[name]) for name in imported.input_names])
+    outputs = [result] if isinstance(result, tvm.runtime.Tensor) else list(result)
+    return [output.numpy() for output in outputs]
+
+
+# -- the five tiny Llama exports against onnxruntime ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, seq, past, tol",
+    [
+        pytest.param(name, seq, past, tol, id=f"{name[len('llama_tiny_'):-5]}-seq{seq}-past{past}")
+        for name, lengths, tol in MODEL_CASES
+        for seq, past in lengths
+    ],
+)
+def test_model_matches_onnxruntime(name, seq, past, tol):
+    imported, vm, session = compiled(name)
+    feeds = llama_feeds(session, seq, past, seed=seq * 100 + past)
+    expected = session.run(None, feeds)
+    actual = run_vm(vm, imported, feeds)
+    assert [o.name for o in session.get_outputs()] == imported.output_names
+    assert len(actual) == len(expected)
+    for output_name, got, want in zip(imported.output_names, actual, expected):
+        assert got.shape == want.shape, output_name
+        np.testing.assert_allclose(got, want, err_msg=f"{name} {output_name}", **tol)
+    error = max(float(np.abs(got - want).max()) for got, want in zip(actual, expected))
+    print(f"\n{name} seq={seq} past={past}: max abs error over all outputs {error:.2e}")
+
+
+def _param_shape(imported: ImportedModel, name: str):
+    index = imported.input_names.index(name)
+    return list(imported.mod["main"].params[index].ty.shape.values)
+
+
+def test_with_past_lengths_stay_symbolic():
+    imported, _, _ = compiled("llama_tiny_with_past.onnx")
+    assert set(imported.tir_vars) == {"batch_size", "sequence_length", "past_sequence_length"}
+    assert imported.opset == 18
+    assert imported.op_histogram["MatMul"] == 20
+    batch, seq = _param_shape(imported, "input_ids")
+    assert isinstance(seq, tirx.Var) and seq.name == "sequence_length"
+    assert isinstance(batch, tirx.Var) and batch.name == "batch_size"
+    past = _param_shape(imported, "past_key_values.0.key")[2]
+    assert isinstance(past, tirx.Var) and past.name == "past_sequence_length"
+    present = imported.mod["main"].ret_ty.fields[1].shape.values
+    assert str(present[2]) == "past_sequence_length + sequence_length"
+
+
+def test_prefill_dynamic_sequence_stays_symbolic():
+    imported, _, _ = compiled("llama_tiny_prefill_dynamic.onnx")
+    batch, seq = _param_shape(imported, "input_ids")
+    assert isinstance(seq, tirx.Var) and seq.name == "seq"
+    assert imported.mod["main"].ret_ty.shape.values[1].same_as(seq)
+
+
+def test_shape_overrides_fix_batch_and_keep_lengths_symbolic():
+    path = model_path("llama_tiny_with_past.onnx")
+    imported = import_onnx(path, shape_overrides={"batch_size": 1})
+    batch, seq = _param_shape(imported, "input_ids")
+    assert int(batch) == 1 and isinstance(seq, tirx.Var)
+    assert set(imported.tir_vars) == {"sequence_length", "past_sequence_length"}
+    with pytest.raises(ModelImportError, match="names neither a graph input nor"):
+        import_onnx(path, shape_overrides={"nope": 1})
+
+
+def test_shape_overrides_by_input_name():
+    # By input name: every input must be given consistently (a batch fixed in one input
+    # but symbolic in another cannot be broadcast by Relax).
+    by_input = import_onnx(
+        model_path("llama_tiny_prefill_dynamic.onnx"),
+        shape_overrides={"input_ids": [1, "seq"], "attention_mask": [1, "seq"]},
+    )
+    batch, seq = _param_shape(by_input, "input_ids")
+    assert int(batch) == 1 and isinstance(seq, tirx.Var)
+    assert set(by_input.tir_vars) == {"seq"}
+
+
+def test_overrides_do_not_leak_into_tvm():
+    # The fixes live in a subclass of TVM's importer, never in TVM itself.
+    before = onnx_frontend.ONNXGraphImporter._convert_operator
+    compiled("llama_tiny_with_past.onnx")
+    import_onnx(model_path("llama_tiny_with_past.onnx"))
+    assert onnx_frontend.ONNXGraphImporter._convert_operator is before
+    assert onnx_frontend._get_convert_map()["Range"] is onnx_frontend.Range
+    assert "MatMulNBits" not in onnx_frontend._get_convert_map()
+
+
+# -- MatMulNBits as the W4A16 linear ------------------------------------------------------
+
+
+def _constants(func) -> list[np.ndarray]:
+    """Every distinct constant of a Relax function (a constant used twice counts once)."""
+    found = []
+    relax.analysis.post_order_visit(
+        func,
+        lambda e: found.append(e)
+        if isinstance(e, tvm.ir.GenericConst) and not any(e.same_as(f) for f in found)
+        else None,
+    )
+    return [constant.value.numpy() for constant in found]
+
+
+def test_w4_weights_stay_packed():
+    imported, _, _ = compiled("llama_tiny_decode_p8_w4.onnx")
+    model = onnx.load(model_path("llama_tiny_decode_p8_w4.onnx"))
+    nbits = [node for node in model.graph.node if node.op_type == "MatMulNBits"]
+    assert len(nbits) == 15 == imported.op_histogram["com.microsoft:MatMulNBits"]
+
+    constants = _constants(imported.mod["main"])
+    float_constants = [c for c in constants if c.dtype.kind == "f"]
+    packed_shapes = {c.shape for c in constants if c.dtype == np.uint8}
+    # The only float initializer of the model is the (unquantised) embedding table, of
+    # the lm_head's size 2048 x 256: a float constant of size N*K must be exactly it.
+    onnx_floats = [
+        numpy_helper.to_array(init) for init in model.graph.initializer
+        if init.data_type == TensorProto.FLOAT
+    ]
+    assert sum(c.size for c in float_constants) <= sum(a.size for a in onnx_floats) + 4096
+    for node in nbits:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        n, k, block = attrs["N"], attrs["K"], attrs["block_size"]
+        for constant in float_constants:
+            if constant.size == n * k:
+                assert any(
+                    a.shape == constant.shape and np.array_equal(a, constant) for a in onnx_floats
+                ), f"{node.name}: a float constant of size N*K that is not in the ONNX model"
+        assert (n, -(-k // block), block // 2) in packed_shapes  # K=688: a ragged last block
+
+    kernels = {
+        gv.name_hint: func
+        for gv, func in imported.mod.functions.items()
+        if isinstance(func, tirx.PrimFunc) and func.attrs.get("edgetvm.op") == LINEAR_W4A16
+    }
+    # q/k/v/o, gate/up/down and lm_head have 5 distinct (K, N) shapes: one kernel each.
+    assert len(kernels) == 5
+    for func in kernels.values():
+        assert int(func.attrs["edgetvm.group_size"]) == 32
+        assert int(func.attrs["edgetvm.has_zero_points"]) == 0
+        assert str(func.params[1].dtype) == "uint8"  # the packed weight goes in as stored
+    calls = []
+    relax.analysis.post_order_visit(
+        imported.mod["main"],
+        lambda e: calls.append(e)
+        if isinstance(e, relax.Call) and e.op.same_as(tvm.ir.Op.get("relax.call_tir"))
+        and e.args[0].name_hint in kernels
+        else None,
+    )
+    assert len(calls) == 15
+
+
+def matmul_nbits_model(k, n, block, zero_points, bias, dtype="float32", seed=0):
+    """A one-node MatMulNBits model ``A (2, rows, k) -> Y (2, rows, n)``, ``rows`` symbolic.
+
+    ``zero_points``: None (implicit 8), "uint4" (packed, odd block counts padded) or
+    "float". Returns the model and the dequantised weight ``(n, k)`` and bias (float64)
+    for a numpy reference: ``W = (q - zp) * scale``.
+    """
+    rng = np.random.default_rng(seed)
+    blocks = -(-k // block)
+    quant = rng.integers(0, 16, (n, blocks * block), dtype=np.uint8)
+    packed = (quant[:, 0::2] | (quant[:, 1::2] << 4)).reshape(n, blocks, block // 2)
+    scales = (rng.random((n, blocks)) * 0.1 + 0.01).astype(dtype)
+    inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "scales")]
+    inputs = ["A", "B", "scales"]
+    zp = np.full((n, blocks), 8.0)
+    if zero_points == "uint4":
+        zp_q = rng.integers(0, 16, (n, blocks + blocks % 2), dtype=np.uint8)
+        zp_q[:, blocks:] = 0
+        zp_packed = (zp_q[:, 0::2] | (zp_q[:, 1::2] << 4)).reshape(-1)  # flat, as ORT writes it
+        zp = zp_q[:, :blocks].astype("float64")
+        inits.append(numpy_helper.from_array(zp_packed, "zp"))
+        inputs.append("zp")
+    elif zero_points == "float":
+        zp_float = (rng.random((n, blocks)) * 15).astype(dtype)
+        zp = zp_float.astype("float64")
+        inits.append(numpy_helper.from_array(zp_float, "zp"))
+        inputs.append("zp")
+    elif bias:
+        inputs.append("")
+    bias_value = rng.standard_normal(n).astype(dtype) if bias else np.zeros(n, dtype)
+    if bias:
+        inits.append(numpy_helper.from_array(bias_value, "bias"))
+        inputs += ["", "bias"]
+    node = helper.make_node(
+        "MatMulNBits", inputs, ["Y"], domain="com.microsoft", name="q4",
+        K=k, N=n, bits=4, block_size=block,
+    )
+    onnx_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph(
+        [node], "w4",
+        [helper.make_tensor_value_info("A", onnx_type, [2, "rows", k])],
+        [helper.make_tensor_value_info("Y", onnx_type, [2, "rows", n])],
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 8
+    weight = (quant - np.repeat(zp, block, 1)) * np.repeat(scales.astype("float64"), block, 1)
+    return model, weight[:, :k], bias_value.astype("float64")
+
+
+@pytest.mark.parametrize(
+    "k, n, block, zero_points, bias, dtype",
+    [
+        (64, 24, 16, None, False, "float32"),
+        (96, 40, 32, "uint4", True, "float32"),  # 3 blocks: odd count, padded zero-point byte
+        (80, 16, 64, "float", False, "float32"),  # K not a multiple of the block
+        (256, 8, 128, "uint4", False, "float32"),
+        (128, 12, 32, None, True, "float16"),  # the A16 of W4A16
+    ],
+)
+def test_matmul_nbits_variants_match_numpy_and_onnxruntime(k, n, block, zero_points, bias, dtype):
+    model, weight, bias_value = matmul_nbits_model(k, n, block, zero_points, bias, dtype)
+    imported = import_onnx(model)
+    (kernel,) = [f for f in imported.mod.functions.values() if isinstance(f, tirx.PrimFunc)]
+    assert int(kernel.attrs["edgetvm.group_size"]) == block
+    assert int(kernel.attrs["edgetvm.has_zero_points"]) == (zero_points is not None)
+    constants = _constants(imported.mod["main"])
+    assert not any(c.dtype.kind == "f" and c.size == n * k for c in constants)
+
+    executable = tvm.compile(imported.mod, target=tvm.target.Target(TARGET))
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    # float16 rounds the output (and onnxruntime's accumulation) to ~3 significant digits.
+    tol = W4_TOL if dtype == "float32" else dict(atol=2e-2, rtol=2e-2)
+    for rows in (3, 5):  # one compiled kernel, two lengths: the row count stays symbolic
+        activations = np.random.default_rng(rows).standard_normal((2, rows, k)).astype(dtype)
+        (actual,) = run_vm(vm, imported, {"A": activations})
+        assert actual.dtype == np.dtype(dtype)
+        reference = activations.astype("float64") @ weight.T + bias_value
+        np.testing.assert_allclose(actual, reference, **tol)
+        np.testing.assert_allclose(actual, session.run(None, {"A": activations})[0], **tol)
+
+
+def test_matmul_nbits_with_8_bits_is_refused():
+    model, _, _ = matmul_nbits_model(64, 8, 32, None, False)
+    for attr in model.graph.node[0].attribute:
+        if attr.name == "bits":
+            attr.i = 8
+    with pytest.raises(UnsupportedOpsError, match=r"com.microsoft:MatMulNBits \(bits=8"):
+        import_onnx(model)
+
+
+# -- refusals -----------------------------------------------------------------------------
+
+
+def test_unsupported_ops_are_all_listed_up_front():
+    node = helper.make_node
+    nodes = [
+        node("Celu", ["x"], ["a"], name="celu_0"),
+        node("Relu", ["a"], ["b"], name="relu_0"),  # supported: must not be listed
+        node("Celu", ["b"], ["c"], name="celu_1"),
+        node("Celu", ["c"], ["d"], name="celu_2"),
+        node("Celu", ["d"], ["e"], name="celu_3"),
+        node("FastGelu", ["e"], ["y"], name="fast_gelu_0", domain="com.microsoft"),
+    ]
+    graph = helper.make_graph(
+        nodes, "unsupported",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 8
+    with pytest.raises(UnsupportedOpsError) as info:
+        import_onnx(model)
+    message = str(info.value)
+    assert "2 unsupported op type(s) in 5 node(s)" in message
+    assert "Celu: 4 node(s), e.g. celu_0, celu_1, celu_2, ..." in message
+    assert "celu_3" not in message  # at most three examples per op
+    assert "com.microsoft:FastGelu: 1 node(s), e.g. fast_gelu_0" in message
+    assert "Relu" not in message
+
+
+NOT_ONNX = "not a readable ONNX model|not an ONNX model"
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelImportError, match=r"missing\.onnx: no such file"):
+        import_onnx(tmp_path / "missing.onnx")
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b"", "the file is empty"),
+        (b"this is not an ONNX model, just text\n" * 20, NOT_ONNX),
+        (bytes(range(256)) * 64, NOT_ONNX),
+    ],
+    ids=["empty", "text", "binary-garbage"],
+)
+def test_garbage_files(tmp_path, content, problem):
+    path = tmp_path / "garbage.onnx"
+    path.write_bytes(content)
+    with pytest.raises(ModelImportError, match=problem) as info:
+        import_onnx(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.5, 0.999])
+def test_truncated_file(tmp_path, fraction):
+    data = model_path("llama_tiny_with_past.onnx").read_bytes()
+    path = tmp_path / "truncated.onnx"
+    path.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(ModelImportError, match="truncated") as info:
+        import_onnx(path)
+    assert str(path) in str(info.value)
+
+
+def test_model_failing_the_checker(tmp_path):
+    # Relu reads a tensor nothing produces: structurally invalid, every op supported.
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["undefined"], ["y"], name="relu_0")], "broken",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "broken.onnx"
+    onnx.save(model, path)
+    with pytest.raises(ModelImportError, match=r"broken\.onnx: fails onnx\.checker: .*undefined"):
+        import_onnx(path)
