@@ -99,8 +99,17 @@ class Affine:
     def __sub__(self, other):
         return self + as_affine(other) * -1
 
+    def __rsub__(self, other):
+        return as_affine(other) + self * -1
+
     def __mul__(self, k: int):
+        if isinstance(k, Affine):
+            if k.terms and self.terms:
+                raise TypeError("a product of two runtime parameters is not affine")
+            self, k = (self, k.const) if not k.terms else (k, self.const)
         return Affine(self.const * k, tuple((n, c * k) for n, c in self.terms))
+
+    __rmul__ = __mul__
 
     def __str__(self):
         parts = [f"{c}*{n}" if c != 1 else n for n, c in self.terms]

@@ -7,7 +7,7 @@ Layout (little endian)::
     json_len   u64
     json       json_len bytes, UTF-8: {"name", "params", "tcm_bytes", "spec_hash",
                "metadata", "tensors": [{name, shape, dtype, kind, data_offset?,
-               data_nbytes?}], "commands": [{"op": <command type>, <fields>}]}
+               data_nbytes?}], "commands": [{"command": <command type>, <fields>}]}
     blob_len   u64
     blob       const tensor data, each at its data_offset (C order)
     sha256     32 bytes  over everything before it
@@ -78,7 +78,7 @@ def dumps(program: Program) -> bytes:
         tensors.append(d)
     cmds = []
     for c in program.commands:
-        d = {"op": type(c).__name__}
+        d = {"command": type(c).__name__}   # not "op": Vector has a field named op
         for f in dataclasses.fields(c):
             d[f.name] = _enc(getattr(c, f.name))
         cmds.append(d)
@@ -117,7 +117,7 @@ def loads(data: bytes, source: str = "<bytes>") -> Program:
                                             data_arr)
         cmds = []
         for c in js["commands"]:
-            cls = COMMAND_TYPES[c.pop("op")]
+            cls = COMMAND_TYPES[c.pop("command")]
             cmds.append(cls(**{k: _dec(v) for k, v in c.items()}))
         return Program(js["name"], cmds, tensors, tuple(js["params"]), js["tcm_bytes"],
                        js["spec_hash"], js["metadata"])

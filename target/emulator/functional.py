@@ -94,7 +94,7 @@ def vector(cmd: Vector, tcm: np.ndarray, params) -> None:
     elif op == "reduce_sum":
         r = x.sum(axis=1, keepdims=True)
     elif op == "exp":
-        r = np.exp(x)
+        r = np.exp(x if cmd.imm is None else x * _F32(cmd.imm))   # isa.py: exp(x * imm)
     elif op == "rsqrt":
         r = 1.0 / np.sqrt(x + _F32(cmd.imm or 0.0))
     elif op == "silu":

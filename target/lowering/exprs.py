@@ -6,6 +6,9 @@ to a Python closure once is ~100x faster than substituting into TIR and simplify
 from __future__ import annotations
 
 from tvm import tirx
+from tvm.ir.expr import TensorLoad   # TVM 0.27: what tirx.BufferLoad(...) builds
+
+from ..isa import Affine
 
 _BIN = {tirx.Add: "({} + {})", tirx.Sub: "({} - {})", tirx.Mul: "({} * {})",
         tirx.FloorDiv: "({} // {})", tirx.FloorMod: "({} % {})",
@@ -16,11 +19,19 @@ _BIN = {tirx.Add: "({} + {})", tirx.Sub: "({} - {})", tirx.Mul: "({} * {})",
 
 
 class ExprCompiler:
-    """Compiles integer PrimExprs into ``f(env) -> int`` where ``env`` maps Var -> int."""
+    """Compiles integer PrimExprs into ``f(env) -> int`` where ``env`` maps Var -> int.
 
-    def __init__(self):
+    ``runtime`` names buffers whose elements are runtime parameters (token ids, page table
+    entries): a load ``ids[i]`` evaluates to ``Affine.param("ids.<i>")``, so an index that
+    depends on it becomes an affine DRAM offset the host sets per call. Scalar PrimFunc
+    parameters bound in ``env`` to an :class:`Affine` work the same way.
+    """
+
+    def __init__(self, runtime=()):
         self._vars: list = []
         self._index: dict = {}
+        self.runtime = set(runtime)
+        self.used_params: set = set()
 
     def _src(self, e) -> str:
         if isinstance(e, (tirx.IntImm, int)):
@@ -38,8 +49,20 @@ class ExprCompiler:
             return self._src(e.value)
         if isinstance(e, tirx.Not):
             return f"(not {self._src(e.a)})"
+        if isinstance(e, TensorLoad) and e.source.name in self.runtime:
+            idx = ", ".join(self._src(i) for i in e.indices)
+            return f"_P({e.source.name!r}, {[int(s) for s in e.source.shape]!r}, ({idx},))"
         raise NotImplementedError(f"index expression {type(e).__name__}: {e}")
 
     def compile(self, e):
         src = self._src(e)
-        return eval("lambda env: " + src, {"_V": self._vars, "min": min, "max": max})
+        return eval("lambda env: " + src, {"_V": self._vars, "min": min, "max": max,
+                                           "_P": self._param})
+
+    def _param(self, name, shape, idx) -> Affine:
+        flat = 0
+        for i, s in zip(idx, shape):
+            flat = flat * s + i
+        pname = f"{name}.{flat}"
+        self.used_params.add(pname)
+        return Affine.param(pname)

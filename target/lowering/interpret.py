@@ -19,9 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tvm import s_tir, tirx
+from tvm.tirx.buffer import BufferType
 
 from edgetvm.errors import CandidateRejected
 
+from ..isa import Affine
 from .exprs import ExprCompiler
 
 TCM_SCOPE = "global.tcm"
@@ -38,11 +40,21 @@ class Box:
 
     @property
     def extents(self) -> tuple:
-        return tuple(h - l for l, h in zip(self.lo, self.hi))
+        out = []
+        for l, h in zip(self.lo, self.hi):
+            e = h - l
+            if isinstance(e, Affine):
+                if e.terms:
+                    raise CandidateRejected(f"the extent of a box of {self.buffer.name!r} "
+                                            f"depends on a runtime parameter ({e})")
+                e = e.const
+            out.append(e)
+        return tuple(out)
 
     @property
     def empty(self) -> bool:
-        return any(h <= l for l, h in zip(self.lo, self.hi))
+        return any(not isinstance(l, Affine) and not isinstance(h, Affine) and h <= l
+                   for l, h in zip(self.lo, self.hi))
 
 
 @dataclass
@@ -93,15 +105,24 @@ def _float_imms(node) -> list:
 class Interpreter:
     """Runs the loop structure of a scheduled PrimFunc and records its NPU operations."""
 
-    def __init__(self, func: tirx.PrimFunc):
+    def __init__(self, func: tirx.PrimFunc, runtime=()):
         self.func = func
-        self.exprs = ExprCompiler()
+        self.exprs = ExprCompiler(runtime)
         self._compiled: dict = {}
         self.loop_ids: dict = {}
         self.ops: list = []
-        self.buffers: dict = {}   # Buffer -> "param" | "tcm" | "dram_scratch"
+        self.buffers: dict = {}   # buffer var -> "param" | "runtime" | "tcm" | "dram_scratch"
+        self.scalars: dict = {}   # scalar PrimFunc parameter -> Affine runtime parameter
         for p in func.params:          # TVM 0.27: buffer params are Vars of BufferType
-            self.buffers[p] = "param"
+            if isinstance(p.ty, BufferType):
+                self.buffers[p] = "runtime" if p.name in self.exprs.runtime else "param"
+            else:
+                self.scalars[p] = Affine.param(p.name)
+
+    @property
+    def params(self) -> list:
+        """Names of the runtime parameters the program uses."""
+        return sorted(self.exprs.used_params | {p.name for p in self.scalars})
 
     def _f(self, e):
         f = self._compiled.get(e)
@@ -110,7 +131,7 @@ class Interpreter:
         return f
 
     def run(self) -> list:
-        self._walk(self.func.body, {}, ())
+        self._walk(self.func.body, dict(self.scalars), ())
         return self.ops
 
     # -- the walk ---------------------------------------------------------------------
@@ -194,6 +215,10 @@ class Interpreter:
                 ext = self._f(r.extent)(env_min)
                 a, b = f(env_min), f(env_max) + ext
                 size = int(buf.shape[d])
+                if isinstance(a, Affine) or isinstance(b, Affine):
+                    lo.append(a)          # a runtime-parameter index: bounds checked on device
+                    hi.append(b)
+                    continue
                 lo.append(max(0, min(a, size)))
                 hi.append(max(0, min(b, size)))
             return Box(buf, tuple(lo), tuple(hi), axes[id_of(region)])
@@ -209,7 +234,8 @@ class Interpreter:
                                    for iv in block.iter_vars),
                  "slots": int(_ann(loop.annotations, "npu.slots", 1)),
                  "channel": _ann(loop.annotations, "npu.channel", None)}
-        for key in ("npu.limit", "npu.causal_offset"):
+        attrs["iter_min"] = tuple(env_min[iv.var] for iv in block.iter_vars)
+        for key in ("npu.valid_len", "npu.valid_axis", "npu.mask_len", "npu.mask_pos"):
             if key in loop.annotations:
                 attrs[key[4:]] = _ann(loop.annotations, key)
         kind, _, vop = str(kind_ann).partition(":")

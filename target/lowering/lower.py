@@ -10,20 +10,21 @@ The pipeline, in order (each step is a small module):
 """
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+
 from tvm import tirx
 
 from edgetvm.errors import CandidateRejected
 
 from ..builder import ProgramBuilder
-from ..isa import DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector
+from ..isa import Affine, DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector
 from .interpret import Interpreter
 from .sync import insert_events
 from .tcm_alloc import locate, plan_tcm
 
 
 def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None,
-                   consts: dict | None = None, params: dict | None = None):
+                   consts: dict | None = None, runtime=(), state=()):
     """Compile a scheduled PrimFunc into a :class:`~edgetvm.target.isa.Program`.
 
     Parameters
@@ -32,9 +33,13 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     spec : the NPU spec.
     outputs : names of the PrimFunc's output buffers (default: the last parameter).
     consts : name -> array for parameters that are weights (shipped in the program).
+    runtime : names of buffer parameters whose elements are runtime parameters (token ids,
+        page table): they become scalars the host sets per call, not DRAM tensors. Scalar
+        PrimFunc parameters (valid length, position) are runtime parameters too.
+    state : names of buffer parameters that persist on the device (the KV cache pages).
     """
     consts = consts or {}
-    interp = Interpreter(func)
+    interp = Interpreter(func, runtime)
     ops = interp.run()
     if not ops:
         raise CandidateRejected("the schedule produced no NPU operation")
@@ -47,8 +52,11 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     param_bufs = list(func.params)    # TVM 0.27: buffer params are Vars of BufferType
     out_names = set(outputs or [param_bufs[-1].name])
     for buf in param_bufs:
+        if kinds.get(buf) != "param":
+            continue
         n = buf.name
-        kind = "const" if n in consts else "output" if n in out_names else "input"
+        kind = "const" if n in consts else "state" if n in state else \
+            "output" if n in out_names else "input"
         b.tensor(n, [int(s) for s in buf.shape], str(buf.dtype), kind, consts.get(n))
     for buf, k in kinds.items():
         if k == "dram_scratch":
@@ -57,19 +65,36 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
         cmds = _commands(op, units[op.index], kinds, tcm)
         if not cmds:
             continue
+        when = _predicate(op)
+        if when is not None:
+            cmds = [_with(c, when=when) for c in cmds]
         cmds[0] = _with(cmds[0], wait=tuple(waits[op.index]))
         cmds[-1] = _with(cmds[-1], signal=tuple(signals[op.index]))
         for c in cmds:
             b.emit(c)
-    b._events = max([e for s in signals.values() for e in s] + [-1]) + 1
+    for p in interp.params:
+        b.param(p)
     return b.build(tcm_bytes=tcm_bytes, tile_ops=len(ops),
                    tcm_buffers={t.name: {"offset": t.offset, "footprint": list(t.footprint),
                                          "slots": t.slots} for t in tcm.values()})
 
 
 def _with(cmd, **changes):
-    import dataclasses
     return dataclasses.replace(cmd, **changes)
+
+
+def _valid_start(op):
+    """(runtime length parameter, this op's first index on the valid axis) or None."""
+    name = op.attrs.get("valid_len")
+    if name is None:
+        return None
+    return Affine.param(name), op.attrs["iter_min"][int(op.attrs.get("valid_axis", 0))]
+
+
+def _predicate(op):
+    """Ops on tiles wholly past the runtime valid length are predicated off."""
+    v = _valid_start(op)
+    return None if v is None else v[0] - v[1]
 
 
 def _assign_units(ops, kinds, spec) -> dict:
@@ -151,12 +176,15 @@ def _dma(op, unit, kinds, tcm):
     d_off = sum(l * s for l, s in zip(dbox.lo, dst_strides))
     rows, cols, rs_d, rs_t, offs = _pieces(dbox.extents, dst_strides, tb.strides())
     ch = int(unit[3:])
+    v = _valid_start(op)
+    # the runtime repeat count: rows past the valid length are not transferred
+    valid = None if v is None or len(offs) > 1 else v[0] - v[1]
     cmds = []
     for od, ot in offs:
         tref = TcmRef(t_off + ot * tb.itemsize, (rows, cols), tb.dtype, rs_t)
         dref = DramRef(dbox.buffer.name, (rows, cols), rs_d, d_off + od)
-        cmds.append(DmaLoad(dst=tref, src=dref, channel=ch) if load
-                    else DmaStore(dst=dref, src=tref, channel=ch))
+        cmds.append(DmaLoad(dst=tref, src=dref, channel=ch, valid_rows=valid) if load
+                    else DmaStore(dst=dref, src=tref, channel=ch, valid_rows=valid))
     return cmds
 
 
@@ -233,8 +261,16 @@ def _vector(op, tcm) -> Vector:
                      dst.stride if dst.shape == (rows, 1) else 1)
     else:
         srcs = tuple(_broadcast(s, dst.shape) for s in srcs)
-    limit = op.attrs.get("limit")
-    causal = op.attrs.get("causal_offset")
+    limit = causal = None
+    if op.op == "mask":
+        r0 = op.attrs["iter_min"][row_var] if row_var is not None else 0
+        c0 = op.attrs["iter_min"][col_var] if col_var is not None else 0
+        if op.attrs.get("mask_len"):
+            limit = Affine.param(op.attrs["mask_len"]) - c0       # keys >= length: -inf
+        if op.attrs.get("mask_pos") is not None:
+            # causal: key position c0 + c > query position pos + r0 + r
+            pos = op.attrs["mask_pos"]
+            causal = (Affine.param(pos) if pos else Affine(0)) + (r0 - c0)
     return Vector(op=op.op, dst=dst, srcs=srcs, imm=op.attrs.get("imm"),
                   limit=limit, causal_offset=causal)
 

@@ -10,6 +10,7 @@ every instance that rotates into a slot reuses the same bytes.
 """
 from __future__ import annotations
 
+from ..isa import Affine
 from .tcm_alloc import locate
 
 
@@ -30,7 +31,12 @@ def _accesses(op, kinds, tcm):
 
 
 def _overlap(lo1, hi1, lo2, hi2) -> bool:
-    return all(a < d and c < b for a, b, c, d in zip(lo1, hi1, lo2, hi2))
+    for a, b, c, d in zip(lo1, hi1, lo2, hi2):
+        if any(isinstance(x, Affine) for x in (a, b, c, d)):
+            continue        # runtime-parameter coordinates: assume they may overlap
+        if not (a < d and c < b):
+            return False
+    return True
 
 
 def insert_events(ops, units: dict, kinds: dict, tcm: dict):

@@ -1,0 +1,917 @@
+"""Runners: execute NPU programs on the emulator, in-process or behind TVM RPC.
+
+One interface, three places to run::
+
+    from edgetvm.runner import connect
+    runner = connect("rpc://127.0.0.1:9190", spec="edge-npu-16mb")   # or "local",
+    res = runner.run(program, {"A": a, "B": b})                      # "tracker://H:P/KEY"
+    res.outputs["C"], res.counters["total_cycles"], res.server.pid
+
+* :class:`LocalRunner` runs the emulator in this process.
+* :class:`RPCRunner` holds one session with one ``python -m edgetvm.rpc_server``.
+* :class:`TrackerRunner` gets servers from a TVM RPC tracker; :meth:`~Runner.run_many`
+  spreads jobs over as many servers as are free (one session per worker thread).
+
+State semantics (the same for every runner):
+
+* :meth:`Runner.run` runs on the runner's default :class:`Device`, whose persistent
+  ``state`` tensors (the KV cache) carry over from one call to the next, as on a real NPU.
+  :meth:`Runner.device` opens further independent devices; :meth:`Runner.reset` drops
+  the default device's state.
+* :meth:`Runner.run_many` runs every job on fresh state: its jobs are independent
+  measurements (tuning candidates), so a result never depends on which server ran it or
+  in which order.
+* Over RPC a device lives in the server's per-session process (see
+  :mod:`edgetvm.rpc_server`): its state survives exactly as long as the runner's session.
+
+Errors: an edgetvm error raised on the server (e.g. :class:`~edgetvm.errors.InvalidProgramError`
+with its command index) is re-raised on the client as the same class with the same
+message; other server failures become :class:`RemoteError` (the server traceback is kept
+in ``.remote_traceback``); connection problems are :class:`RunnerConnectionError` naming
+the address. ``run_many(jobs, return_exceptions=True)`` returns failures in their slots
+instead, which is what a MetaSchedule ``PyRunner`` needs.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from edgetvm.errors import EdgeTVMError
+from edgetvm.rpc_server import (DEFAULT_KEY, DEFAULT_PORT, DEFAULT_SPEC, FUNC_PREFIX,
+                                PROTOCOL_VERSION, EmulatorService, decode_run_result,
+                                pack_message, spec_payload, unpack_message)
+
+__all__ = ["RunnerError", "RunnerConnectionError", "RemoteError", "ServerInfo", "RunResult",
+           "RunJob", "Device", "Runner", "LocalRunner", "RPCRunner", "TrackerRunner", "connect"]
+
+
+# ----------------------------------------------------------------------------------------
+# errors and results
+# ----------------------------------------------------------------------------------------
+class RunnerError(EdgeTVMError):
+    """A runner could not run a program (bad URL, lost session, server failure)."""
+
+
+class RunnerConnectionError(RunnerError):
+    """A server or tracker cannot be reached, refuses the key, or the session broke."""
+
+
+class RemoteError(RunnerError):
+    """An unexpected (non-edgetvm) exception on the server.
+
+    Attributes
+    ----------
+    remote_type : str
+        The exception's class name on the server.
+    remote_traceback : str or None
+        The server-side traceback, kept for debugging rather than printed.
+    """
+
+    def __init__(self, message, remote_type="", remote_traceback=None):
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """Where a run executed.
+
+    Attributes
+    ----------
+    address : str
+        ``host:port`` of the server, or ``"local"``.
+    pid : int
+        The server process (stable for the server's lifetime: tells servers apart).
+    session_pid : int
+        The process that ran the call (TVM forks one per RPC session).
+    key : str or None
+        The server's device key.
+    """
+
+    address: str
+    pid: int
+    session_pid: int
+    key: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ServerInfo":
+        return cls(str(d.get("address")), int(d["server_pid"]), int(d["pid"]), d.get("key"))
+
+
+@dataclass
+class RunResult:
+    """The outcome of one run.
+
+    Attributes
+    ----------
+    outputs : dict of str to numpy.ndarray
+        The program's ``output`` tensors.
+    counters : dict
+        The emulator's counters (``total_cycles``, ``time_us``, ``dram_read_bytes``, ...)
+        as JSON data, identical whichever runner executed the program.
+    server : ServerInfo
+        Which server (process) executed it.
+    trace : list of TraceEvent or None
+        Per-command timeline when requested.
+    power_mw, power_window_starts : numpy.ndarray or None
+        Windowed power after throttling and the windows' start cycles.
+    run_s : float
+        Seconds spent in the emulator.
+    wall_s : float
+        Seconds the client waited (serialisation and transport included).
+    """
+
+    outputs: dict
+    counters: dict
+    server: ServerInfo
+    trace: list | None = None
+    power_mw: np.ndarray | None = None
+    power_window_starts: np.ndarray | None = None
+    run_s: float = 0.0
+    wall_s: float = 0.0
+
+
+@dataclass
+class RunJob:
+    """One program run for :meth:`Runner.run_many` (the arguments of :meth:`Runner.run`)."""
+
+    program: Any
+    inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
+    params: Mapping[str, int] | None = None
+    profile: str | None = None
+    trace: bool = False
+
+    @classmethod
+    def coerce(cls, job) -> "RunJob":
+        """Accept a :class:`RunJob`, a mapping of its fields or a ``(program, inputs, ...)`` tuple."""
+        if isinstance(job, RunJob):
+            return job
+        if isinstance(job, Mapping):
+            return cls(**job)
+        if isinstance(job, Sequence) and not isinstance(job, (str, bytes)):
+            return cls(*job)
+        raise RunnerError(f"not a run job: {type(job).__name__} (expected RunJob, dict or tuple)")
+
+
+def _result_from(res: Mapping[str, Any], wall_s: float) -> RunResult:
+    return RunResult(outputs=res["outputs"], counters=res["counters"],
+                     server=ServerInfo.from_dict(res["server"]), trace=res.get("trace"),
+                     power_mw=res.get("power_mw"),
+                     power_window_starts=res.get("power_window_starts"),
+                     run_s=float(res.get("run_s", 0.0)), wall_s=wall_s)
+
+
+def _error_from_payload(payload: Mapping[str, Any], address: str) -> Exception:
+    """Rebuild a server-side exception (see :func:`edgetvm.rpc_server.error_payload`).
+
+    Only classes from edgetvm's own modules that derive from :class:`EdgeTVMError` are
+    rebuilt (nothing is unpickled); the message is kept verbatim so the client sees what
+    a local run would have said.
+    """
+    cls = _edgetvm_error_class(payload.get("module", ""), payload.get("type", ""))
+    if cls is None:
+        return RemoteError(f"server {address}: {payload.get('type')}: {payload.get('message')}",
+                           payload.get("type", ""), payload.get("traceback"))
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, payload.get("message", ""))
+    exc.__dict__.update(payload.get("attrs") or {})
+    exc.server = address
+    return exc
+
+
+def _edgetvm_error_class(module: str, name: str):
+    if module != "edgetvm" and not module.startswith("edgetvm."):
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, EdgeTVMError) else None
+
+
+def _resolve_spec(spec):
+    """Resolve a preset name on the client: the full spec is then sent, and the server
+    checks its hash, so client and server cannot silently emulate different devices."""
+    if spec is None or not isinstance(spec, str):
+        return spec
+    from edgetvm.target.spec import load_spec
+    return load_spec(spec)
+
+
+# ----------------------------------------------------------------------------------------
+# channels: one session with one emulator service (in-process or remote)
+# ----------------------------------------------------------------------------------------
+class _Channel:
+    """The transport-independent calls a runner makes (see ``EmulatorService``)."""
+
+    address = "?"
+
+    def info(self) -> dict:
+        raise NotImplementedError
+
+    def open_device(self, spec, profile) -> str:
+        raise NotImplementedError
+
+    def close_device(self, handle: str) -> None:
+        raise NotImplementedError
+
+    def device_state(self, handle: str) -> dict:
+        raise NotImplementedError
+
+    def run(self, job: RunJob, spec, device: str | None) -> RunResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _LocalChannel(_Channel):
+    """The service in this process: same code path as a server, no serialisation."""
+
+    address = "local"
+
+    def __init__(self, spec):
+        self._service = EmulatorService(spec, server={"address": "local", "key": None})
+
+    def info(self) -> dict:
+        return self._service.info()
+
+    def open_device(self, spec, profile) -> str:
+        return self._service.open_device(spec, profile)
+
+    def close_device(self, handle: str) -> None:
+        self._service.close_device(handle)
+
+    def device_state(self, handle: str) -> dict:
+        return self._service.device_state(handle)
+
+    def run(self, job: RunJob, spec, device: str | None) -> RunResult:
+        t0 = time.perf_counter()
+        res = self._service.run(job.program, job.inputs, job.params, spec, job.profile,
+                                device, job.trace)
+        res["counters"] = dict(res["counters"])
+        return _result_from(res, time.perf_counter() - t0)
+
+
+def _gist(exc: BaseException) -> str:
+    """The last line of an error: TVM puts its C++ context first and the reason last."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+class _RPCChannel(_Channel):
+    """One TVM RPC session with an edgetvm RPC server."""
+
+    def __init__(self, session, address: str):
+        self._session = session
+        self._funcs: dict = {}
+        self._lock = threading.Lock()  # a TVM RPC session is not safe for concurrent calls
+        self.address = address
+        try:  # fail fast on a foreign server or protocol skew, and free the server then
+            self.server_info = self.info()
+            if self.server_info.get("protocol") != PROTOCOL_VERSION:
+                raise RunnerConnectionError(
+                    f"server {address} speaks edgetvm RPC protocol "
+                    f"{self.server_info.get('protocol')}, this client {PROTOCOL_VERSION}: "
+                    "run the same edgetvm version on both sides")
+        except RunnerError:
+            self.close()
+            raise
+        if self.server_info.get("address"):
+            self.address = self.server_info["address"]
+
+    @classmethod
+    def connect(cls, host: str, port: int, key: str, session_timeout: float) -> "_RPCChannel":
+        """Open a session with the server at ``host:port`` using its plain ``key``."""
+        from tvm import rpc
+        try:
+            session = rpc.connect(host, port, key=key, session_timeout=session_timeout)
+        except Exception as exc:  # noqa: BLE001 - TVM raises InternalError/RuntimeError/...
+            raise _connect_error(f"{host}:{port}", key, exc) from None
+        return cls(session, f"{host}:{port}")
+
+    def _func(self, name: str):
+        if name not in self._funcs:
+            try:
+                self._funcs[name] = self._session.get_function(FUNC_PREFIX + name)
+            except AttributeError:
+                raise RunnerConnectionError(
+                    f"server {self.address} has no function {FUNC_PREFIX}{name}: it is not an "
+                    "edgetvm emulator server (start it with `python -m edgetvm.rpc_server`)"
+                ) from None
+        return self._funcs[name]
+
+    def _call(self, name: str, *args):
+        if self._session is None:
+            raise RunnerConnectionError(f"session with {self.address} is closed")
+        with self._lock:
+            try:
+                return self._func(name)(*args)
+            except RunnerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - TVM's RPCError carries a C++ dump
+                raise RunnerConnectionError(
+                    f"RPC call {FUNC_PREFIX}{name} on {self.address} failed: {_gist(exc)}"
+                ) from None
+
+    def _envelope(self, name: str, *args) -> tuple[dict, dict]:
+        meta, arrays = unpack_message(self._call(name, *args))
+        if "error" in meta:
+            raise _error_from_payload(meta["error"], self.address)
+        return meta, arrays
+
+    def info(self) -> dict:
+        return json.loads(str(self._call("info")))
+
+    def open_device(self, spec, profile) -> str:
+        meta, _ = self._envelope("open", pack_message({"spec": spec_payload(spec),
+                                                       "profile": profile}))
+        return meta["device"]
+
+    def close_device(self, handle: str) -> None:
+        if self._session is not None:
+            self._envelope("close", handle)
+
+    def device_state(self, handle: str) -> dict:
+        return self._envelope("state", handle)[1]
+
+    def run(self, job: RunJob, spec, device: str | None) -> RunResult:
+        from edgetvm.target import program_format
+        t0 = time.perf_counter()
+        program = job.program
+        if not isinstance(program, (bytes, bytearray)):
+            program = program_format.dumps(program)
+        request = pack_message({"spec": spec_payload(spec), "profile": job.profile,
+                                "params": dict(job.params) if job.params else None,
+                                "device": device, "trace": bool(job.trace)},
+                               {k: np.asarray(v) for k, v in job.inputs.items()})
+        meta, arrays = self._envelope("run", bytes(program), request)
+        res = decode_run_result(meta, arrays)
+        if not res["server"].get("address"):  # the server could not tell its own port
+            res["server"]["address"] = self.address
+        return _result_from(res, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        # dropping the last references ends the TVM session; the server's session process
+        # exits and (with a tracker) the server becomes free again
+        self._funcs.clear()
+        self._session = None
+
+
+def _connect_error(address: str, key: str, exc: BaseException) -> RunnerConnectionError:
+    text = str(exc)
+    if "matches key" in text:
+        hint = (f"it refused key {key!r} (wrong --key, or the server is registered with a "
+                "tracker and only accepts sessions the tracker hands out)")
+    elif "failed" in text or "refused" in text.lower():
+        hint = "connection refused (is `python -m edgetvm.rpc_server` running there?)"
+    else:
+        hint = _gist(exc)
+    return RunnerConnectionError(f"cannot connect to edgetvm RPC server at {address}: {hint}")
+
+
+# ----------------------------------------------------------------------------------------
+# devices and runners
+# ----------------------------------------------------------------------------------------
+class Device:
+    """One emulated NPU with persistent ``state`` tensors (e.g. the KV cache).
+
+    Parameters
+    ----------
+    channel : _Channel
+        The session the device lives in; its state lives as long as that session.
+    spec : NPUSpec or None
+        The NPU to emulate (``None``: the server's default).
+    profile : str, optional
+        Default power profile of this device's runs.
+    """
+
+    def __init__(self, channel: _Channel, spec=None, profile: str | None = None):
+        self._channel = channel
+        self.spec = spec
+        self.profile = profile
+        self.handle = channel.open_device(spec, profile)
+
+    def run(self, program, inputs: Mapping[str, np.ndarray] | None = None,
+            params: Mapping[str, int] | None = None, profile: str | None = None,
+            trace: bool = False) -> RunResult:
+        """Run ``program`` on this device; its state tensors persist to the next run.
+
+        Parameters and return value as :meth:`Runner.run`.
+        """
+        if self.handle is None:
+            raise RunnerError("device is closed")
+        job = RunJob(program, inputs or {}, params, profile, trace)
+        return self._channel.run(job, None, self.handle)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Copies of the device's persistent state tensors, by name."""
+        if self.handle is None:
+            raise RunnerError("device is closed")
+        return self._channel.device_state(self.handle)
+
+    def close(self) -> None:
+        """Drop the device and its state (idempotent)."""
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            try:
+                self._channel.close_device(handle)
+            except RunnerConnectionError:  # the session is gone: so is the state
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _finish(results: list, return_exceptions: bool) -> list:
+    if not return_exceptions:
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+    return results
+
+
+class Runner:
+    """Common interface of every runner (subclasses supply the session).
+
+    Parameters
+    ----------
+    spec : NPUSpec, str or None
+        The NPU to emulate: a spec, a preset name (resolved locally, sent in full), or
+        ``None`` for the server's default spec.
+    """
+
+    def __init__(self, spec=None):
+        self.spec = _resolve_spec(spec)
+        self._default: Device | None = None
+
+    # -- subclass hook -------------------------------------------------------------------
+    def _channel(self) -> _Channel:
+        """The session used by :meth:`run`, :meth:`device` and :meth:`info`."""
+        raise NotImplementedError
+
+    # -- interface -------------------------------------------------------------------------
+    def info(self) -> dict:
+        """What the server reports: pids, edgetvm version, presets, default spec, devices."""
+        return self._channel().info()
+
+    def device(self, profile: str | None = None) -> Device:
+        """Open a further independent device (own state) in this runner's session."""
+        return Device(self._channel(), self.spec, profile)
+
+    def run(self, program, inputs: Mapping[str, np.ndarray] | None = None,
+            params: Mapping[str, int] | None = None, profile: str | None = None,
+            trace: bool = False) -> RunResult:
+        """Run a program on the runner's default device.
+
+        Parameters
+        ----------
+        program : Program or bytes
+            The command stream, or its ``program_format.dumps`` bytes (pass bytes to
+            avoid re-serialising a program that runs many times).
+        inputs : mapping of str to numpy.ndarray
+            Values of the program's ``input`` tensors (a ``state`` tensor given here
+            overwrites the device's copy).
+        params : mapping of str to int, optional
+            Runtime parameters.
+        profile : str, optional
+            Power profile name for this run (default: the spec's default profile).
+        trace : bool
+            Also return the per-command trace.
+
+        Returns
+        -------
+        RunResult
+
+        Raises
+        ------
+        InvalidProgramError
+            The emulator refuses the program (message names the command index).
+        RunnerConnectionError
+            The server cannot be reached or the session broke.
+        """
+        if self._default is None:
+            self._default = self.device()
+        return self._default.run(program, inputs, params, profile, trace)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The default device's persistent state tensors."""
+        if self._default is None:
+            self._default = self.device()
+        return self._default.state()
+
+    def reset(self) -> None:
+        """Forget the default device's state (the next :meth:`run` starts clean)."""
+        if self._default is not None:
+            self._default.close()
+            self._default = None
+
+    def run_many(self, jobs: Iterable, return_exceptions: bool = False) -> list:
+        """Run independent jobs, each on fresh state; results come back in job order.
+
+        Parameters
+        ----------
+        jobs : iterable of RunJob, dict or tuple
+            The runs (see :meth:`RunJob.coerce`).
+        return_exceptions : bool
+            If true, a failed job's slot holds its exception; otherwise the first failure
+            (in job order) is raised after all jobs ended.
+
+        Returns
+        -------
+        list of RunResult (or exceptions)
+        """
+        jobs = [RunJob.coerce(j) for j in jobs]
+        channel = self._channel() if jobs else None
+        return _finish([_run_job(channel, job, self.spec) for job in jobs], return_exceptions)
+
+    def close(self) -> None:
+        """Close the default device and the session(s)."""
+        self.reset()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _run_job(channel: _Channel, job: RunJob, spec):
+    """One stateless run; an edgetvm error becomes the job's result, not a batch abort."""
+    try:
+        return channel.run(job, spec, None)
+    except EdgeTVMError as exc:
+        return exc
+
+
+class LocalRunner(Runner):
+    """The emulator in this process (the reference every remote run must agree with).
+
+    Parameters
+    ----------
+    spec : NPUSpec or str
+        The NPU to emulate (default ``edge-npu-16mb``).
+    """
+
+    def __init__(self, spec=DEFAULT_SPEC):
+        super().__init__(DEFAULT_SPEC if spec is None else spec)
+        self._local = _LocalChannel(self.spec)
+
+    def _channel(self) -> _Channel:
+        return self._local
+
+    def __repr__(self):
+        return f"LocalRunner({self.spec.name!r})"
+
+
+class RPCRunner(Runner):
+    """One session with one ``python -m edgetvm.rpc_server``.
+
+    The server runs one session at a time: while this runner is open, other clients of
+    the same server wait. Jobs of :meth:`run_many` run one after the other.
+
+    Parameters
+    ----------
+    host, port : str, int
+        The server's address.
+    spec : NPUSpec, str or None
+        The NPU to emulate (``None``: the server's ``--spec``).
+    key : str
+        The server's ``--key``.
+    session_timeout : float
+        Seconds after which the server ends the session (0: never).
+
+    Raises
+    ------
+    RunnerConnectionError
+        The server cannot be reached, refuses the key or is not an edgetvm server.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, spec=None,
+                 key: str = DEFAULT_KEY, session_timeout: float = 0):
+        super().__init__(spec)
+        self.host, self.port, self.key = host, int(port), key
+        self._rpc = _RPCChannel.connect(host, self.port, key, session_timeout)
+
+    def _channel(self) -> _Channel:
+        if self._rpc is None:
+            raise RunnerConnectionError(f"runner for {self.host}:{self.port} is closed")
+        return self._rpc
+
+    def close(self) -> None:
+        super().close()
+        if self._rpc is not None:
+            self._rpc.close()
+            self._rpc = None
+
+    def __repr__(self):
+        return f"RPCRunner({self.host!r}, {self.port})"
+
+
+# ----------------------------------------------------------------------------------------
+# tracker
+# ----------------------------------------------------------------------------------------
+class _TrackerRequest:
+    """One blocking ``tracker.request(key)`` that another thread or a timer can cancel.
+
+    TVM's tracker holds a request until a server with the key is free, with no timeout;
+    shutting the tracker socket down wakes the request, and the tracker then hands the
+    server to someone else (its callback sees the closed connection).
+    """
+
+    def __init__(self, host: str, port: int, key: str, session_timeout: float, timeout: float):
+        self.address = f"{host}:{port}"
+        self.key, self.session_timeout, self.timeout = key, session_timeout, timeout
+        self.cancelled = self.timed_out = False
+        self._tracker = _connect_tracker(host, port)
+
+    def cancel(self, timed_out: bool = False) -> None:
+        self.timed_out = self.timed_out or timed_out
+        self.cancelled = True
+        sock = getattr(self._tracker, "_sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def __call__(self) -> _RPCChannel:
+        timer = threading.Timer(self.timeout, self.cancel, kwargs={"timed_out": True})
+        timer.daemon = True
+        timer.start()
+        try:
+            session = self._tracker.request(self.key, priority=1,
+                                            session_timeout=self.session_timeout, max_retry=1)
+        except Exception as exc:  # noqa: BLE001 - TVM wraps everything in RuntimeError
+            if self.timed_out:
+                raise RunnerConnectionError(
+                    f"no server with key {self.key!r} became free on tracker {self.address} "
+                    f"within {self.timeout:g} s") from None
+            raise RunnerConnectionError(f"tracker {self.address}: request for key "
+                                        f"{self.key!r} failed: {_gist(exc)}") from None
+        finally:
+            timer.cancel()
+            self._tracker.close()
+        return _RPCChannel(session, f"tracker {self.address}/{self.key}")
+
+
+def _connect_tracker(host: str, port: int, probe_timeout: float = 5.0):
+    from tvm import rpc
+
+    # TVM retries a refused tracker connection for 60 s (base.connect_with_retry); one
+    # plain probe first turns "no tracker there" into an immediate, clear error.
+    try:
+        socket.create_connection((host, port), timeout=probe_timeout).close()
+    except OSError as exc:
+        raise RunnerConnectionError(f"cannot reach RPC tracker at {host}:{port}: "
+                                    f"{exc.strerror or exc}") from None
+    try:
+        return rpc.connect_tracker(host, port)
+    except Exception as exc:  # noqa: BLE001 - ConnectionRefusedError, RuntimeError, ...
+        raise RunnerConnectionError(f"cannot reach RPC tracker at {host}:{port}: "
+                                    f"{_gist(exc)}") from None
+
+
+class _WorkerPool:
+    """Runs jobs on up to ``n`` tracker sessions, one per worker thread.
+
+    Workers first get their session, then wait (at most ``start_grace_s``) for each
+    other, so short jobs are not all taken by the first worker to connect; then each
+    takes the next job from a shared queue until it is empty. A job whose session broke
+    is put back once for another worker.
+    """
+
+    def __init__(self, runner: "TrackerRunner", jobs: list, n: int):
+        self.runner, self.jobs, self.n = runner, jobs, n
+        self.queue = deque((i, 0) for i in range(len(jobs)))
+        self.results: list = [None] * len(jobs)
+        self.pending = len(jobs)
+        self.active = n  # workers not yet finished (Thread.is_alive lags behind notify)
+        self.barrier = threading.Barrier(n)
+        self.cv = threading.Condition()
+        self.requests: list[_TrackerRequest] = []
+        self.last_error: Exception | None = None
+
+    def run(self) -> list:
+        threads = [threading.Thread(target=self._worker, name=f"edgetvm-runner-{w}", daemon=True)
+                   for w in range(self.n)]
+        for t in threads:
+            t.start()
+        with self.cv:
+            self.cv.wait_for(lambda: self.pending == 0 or self.active == 0)
+            for req in self.requests:  # all jobs done: wake workers still waiting for a server
+                req.cancel()
+        for t in threads:
+            t.join()
+        err = self.last_error or RunnerConnectionError("no session could be opened")
+        return [err if r is None else r for r in self.results]
+
+    def _worker(self) -> None:
+        try:
+            channel = self._open()
+            if channel is not None:
+                try:
+                    self.barrier.wait(self.runner.start_grace_s)
+                except threading.BrokenBarrierError:
+                    pass
+                try:
+                    self._drain(channel)
+                finally:
+                    channel.close()
+        finally:
+            with self.cv:  # let run() re-check whether any worker is left
+                self.active -= 1
+                self.cv.notify_all()
+
+    def _open(self) -> "_RPCChannel | None":
+        """This worker's session, or ``None`` (no work left, or no server: already recorded)."""
+        with self.cv:
+            if self.pending == 0:
+                self.barrier.abort()
+                return None
+            try:
+                req = self.runner._new_request()
+            except RunnerError as exc:
+                self.last_error = exc
+                self.barrier.abort()
+                return None
+            self.requests.append(req)
+        try:
+            return req()
+        except RunnerError as exc:
+            if req.timed_out or not req.cancelled:
+                self.last_error = exc
+            self.barrier.abort()  # do not keep the connected workers waiting
+            return None
+
+    def _drain(self, channel: _RPCChannel) -> None:
+        while True:
+            try:
+                i, attempts = self.queue.popleft()
+            except IndexError:
+                return
+            try:
+                result = channel.run(self.jobs[i], self.runner.spec, None)
+            except RunnerConnectionError as exc:
+                self.last_error = exc
+                if attempts == 0:  # the session broke: let another worker retry the job
+                    self.queue.append((i, 1))
+                    return
+                result = exc
+            except EdgeTVMError as exc:
+                result = exc
+            with self.cv:
+                self.results[i] = result
+                self.pending -= 1
+                self.cv.notify_all()
+
+
+class TrackerRunner(Runner):
+    """Servers obtained from a TVM RPC tracker (``python -m tvm.exec.rpc_tracker``).
+
+    :meth:`run_many` opens one session per worker thread, each requested from the tracker,
+    and spreads the jobs over them; :meth:`run` / :meth:`device` use one session of their
+    own, requested on first use and held (it occupies one server) until :meth:`close`.
+
+    Parameters
+    ----------
+    tracker_host, tracker_port : str, int
+        The tracker's address.
+    key : str
+        The servers' ``--key``.
+    spec : NPUSpec, str or None
+        The NPU to emulate (``None``: each server's ``--spec``).
+    max_workers : int, optional
+        Sessions for :meth:`run_many`; default: the servers registered with the key (but
+        the one this runner's own :meth:`run` session holds).
+    session_timeout : float
+        Seconds after which a server ends a session (0: never).
+    request_timeout : float
+        How long to wait for a free server.
+    start_grace_s : float
+        How long connected workers wait for the others before taking jobs.
+
+    Raises
+    ------
+    RunnerConnectionError
+        The tracker cannot be reached.
+    """
+
+    def __init__(self, tracker_host: str, tracker_port: int, key: str = DEFAULT_KEY,
+                 spec=None, max_workers: int | None = None, session_timeout: float = 0,
+                 request_timeout: float = 60.0, start_grace_s: float = 0.5):
+        super().__init__(spec)
+        self.tracker_host, self.tracker_port, self.key = tracker_host, int(tracker_port), key
+        self.max_workers = max_workers
+        self.session_timeout, self.request_timeout = session_timeout, request_timeout
+        self.start_grace_s = start_grace_s
+        _connect_tracker(tracker_host, self.tracker_port).close()  # fail fast
+        self._own: _RPCChannel | None = None
+
+    def _new_request(self) -> _TrackerRequest:
+        return _TrackerRequest(self.tracker_host, self.tracker_port, self.key,
+                               self.session_timeout, self.request_timeout)
+
+    def _channel(self) -> _Channel:
+        if self._own is None:
+            self._own = self._new_request()()
+        return self._own
+
+    def servers(self) -> dict:
+        """Servers registered with this runner's key: ``{"total", "free", "pending"}``.
+
+        ``total`` counts busy servers too; ``free`` lags behind a session's end (a server
+        re-registers only after its session process has exited).
+        """
+        tracker = _connect_tracker(self.tracker_host, self.tracker_port)
+        try:
+            summary = tracker.summary()
+        finally:
+            tracker.close()
+        queue = summary.get("queue_info", {}).get(self.key, {})
+        total = sum(1 for s in summary.get("server_info", []) if s.get("key") == "server:" + self.key)
+        return {"total": total, "free": int(queue.get("free", 0)),
+                "pending": int(queue.get("pending", 0))}
+
+    def run_many(self, jobs: Iterable, return_exceptions: bool = False) -> list:
+        """Spread independent jobs over the tracker's servers; results in job order.
+
+        See :meth:`Runner.run_many`; each result's ``server`` names the server that ran it.
+        """
+        jobs = [RunJob.coerce(j) for j in jobs]
+        if not jobs:
+            return []
+        workers = self.max_workers
+        if workers is None:  # every registered server but the one this runner holds itself
+            workers = max(1, self.servers()["total"] - (self._own is not None))
+        return _finish(_WorkerPool(self, jobs, min(workers, len(jobs))).run(), return_exceptions)
+
+    def close(self) -> None:
+        super().close()
+        if self._own is not None:
+            self._own.close()
+            self._own = None
+
+    def __repr__(self):
+        return f"TrackerRunner({self.tracker_host!r}, {self.tracker_port}, key={self.key!r})"
+
+
+# ----------------------------------------------------------------------------------------
+# URLs
+# ----------------------------------------------------------------------------------------
+def connect(url: str, spec=None, **kwargs) -> Runner:
+    """Make a runner from a URL.
+
+    Parameters
+    ----------
+    url : str
+        ``"local"``; ``"rpc://HOST[:PORT][/KEY]"`` (port default 9190, key default
+        ``edgetvm-npu``); ``"tracker://HOST:PORT[/KEY]"``.
+    spec : NPUSpec, str or None
+        The NPU to emulate (``None``: the server's default; ``edge-npu-16mb`` locally).
+    **kwargs
+        Passed to the runner class (e.g. ``max_workers``, ``session_timeout``).
+
+    Returns
+    -------
+    Runner
+
+    Raises
+    ------
+    RunnerError
+        The URL is malformed.
+    RunnerConnectionError
+        The server or tracker cannot be reached.
+    """
+    if url == "local":
+        return LocalRunner(spec, **kwargs)
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise RunnerError(f"bad port in runner URL {url!r}") from None
+    key = parts.path.strip("/") or DEFAULT_KEY
+    if not parts.hostname or "/" in key or parts.query or parts.fragment:
+        raise RunnerError(f"malformed runner URL {url!r}; expected 'local', "
+                          "'rpc://HOST[:PORT][/KEY]' or 'tracker://HOST:PORT[/KEY]'")
+    if parts.scheme == "rpc":
+        return RPCRunner(parts.hostname, port or DEFAULT_PORT, spec, key=key, **kwargs)
+    if parts.scheme == "tracker":
+        if port is None:
+            raise RunnerError(f"runner URL {url!r} needs the tracker's port")
+        return TrackerRunner(parts.hostname, port, key, spec, **kwargs)
+    raise RunnerError(f"unknown runner URL scheme {parts.scheme!r} in {url!r}; "
+                      "expected 'local', 'rpc://' or 'tracker://'")

@@ -1,0 +1,284 @@
+"""The runner over TVM RPC: real servers started the way users start them.
+
+Servers are ``python -m edgetvm.rpc_server`` subprocesses (own process group, stopped by
+group at teardown) on free loopback ports; the tracker is ``python -m tvm.exec.rpc_tracker``.
+A server runs one session at a time, so every test closes its runner (``with``) before the
+next one connects.
+"""
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from edgetvm.errors import EdgeTVMError, InvalidProgramError
+from edgetvm.runner import (LocalRunner, RPCRunner, RunJob, RunnerConnectionError, RunnerError,
+                            TrackerRunner, connect)
+from edgetvm.target.builder import ProgramBuilder
+from edgetvm.target.isa import DmaLoad, DmaStore, Mma
+from edgetvm.target.spec import load_spec
+
+SPEC = load_spec("edge-npu-16mb")
+KEY = "edgetvm-test"
+START_TIMEOUT = 30
+
+
+# ----------------------------------------------------------------------------------------
+# programs
+# ----------------------------------------------------------------------------------------
+def gemm_program(m=32, n=32, k=64, broken=False):
+    """C = A @ B: DMA A and B into the TCM on two channels, one MMA, DMA C back.
+
+    ``broken`` makes the MMA (command 2) wait on an event nobody signals.
+    """
+    b = ProgramBuilder(f"gemm_{m}x{n}x{k}", SPEC)
+    b.tensor("A", (m, k), "float16", "input")
+    b.tensor("B", (k, n), "float16", "input")
+    b.tensor("C", (m, n), "float32", "output")
+    ta, tb, tc = b.tcm((m, k), "float16"), b.tcm((k, n), "float16"), b.tcm((m, n), "float32")
+    ea, eb, ec = b.event(), b.event(), b.event()
+    b.emit(DmaLoad(dst=ta, src=b.dram("A"), channel=0, signal=(ea,)))
+    b.emit(DmaLoad(dst=tb, src=b.dram("B"), channel=1, signal=(eb,)))
+    b.emit(Mma(out=tc, a=ta, b=tb, wait=(ea, eb, 99) if broken else (ea, eb), signal=(ec,)))
+    b.emit(DmaStore(dst=b.dram("C"), src=tc, wait=(ec,)))
+    return b.build()
+
+
+def accumulate_program(m=16, n=16, k=32):
+    """S += A @ B with S a persistent ``state`` tensor (a KV-cache stand-in); y = S."""
+    b = ProgramBuilder("accumulate", SPEC)
+    b.tensor("A", (m, k), "float16", "input")
+    b.tensor("B", (k, n), "float16", "input")
+    b.tensor("S", (m, n), "float32", "state")
+    b.tensor("y", (m, n), "float32", "output")
+    ta, tb, ts = b.tcm((m, k), "float16"), b.tcm((k, n), "float16"), b.tcm((m, n), "float32")
+    ea, eb, es, em, ew = (b.event() for _ in range(5))
+    b.emit(DmaLoad(dst=ta, src=b.dram("A"), channel=0, signal=(ea,)))
+    b.emit(DmaLoad(dst=tb, src=b.dram("B"), channel=1, signal=(eb,)))
+    b.emit(DmaLoad(dst=ts, src=b.dram("S"), channel=0, signal=(es,)))
+    b.emit(Mma(out=ts, a=ta, b=tb, accumulate=True, wait=(ea, eb, es), signal=(em,)))
+    b.emit(DmaStore(dst=b.dram("S"), src=ts, channel=0, wait=(em,), signal=(ew,)))
+    b.emit(DmaStore(dst=b.dram("y"), src=ts, channel=0, wait=(ew,)))
+    return b.build()
+
+
+def gemm_inputs(seed, m=32, n=32, k=64):
+    rng = np.random.default_rng(seed)
+    return {"A": rng.standard_normal((m, k)).astype("float16"),
+            "B": rng.standard_normal((k, n)).astype("float16")}
+
+
+def reference(inputs):
+    # fp16 operands, fp32 accumulation: what the matrix unit computes
+    return inputs["A"].astype(np.float32) @ inputs["B"].astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# processes
+# ----------------------------------------------------------------------------------------
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port, proc, timeout=START_TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"process exited with {proc.returncode}"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing answers on 127.0.0.1:{port}")
+
+
+def read_line(proc, timeout=START_TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            return proc.stdout.readline()
+        assert proc.poll() is None, f"server exited with {proc.returncode}"
+    raise TimeoutError("server printed nothing")
+
+
+def stop(procs):
+    for p in procs:  # only the process groups these tests created (start_new_session)
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        if p.stdout:
+            p.stdout.close()
+
+
+def start_server(port, *extra):
+    cmd = [sys.executable, "-m", "edgetvm.rpc_server", "--host", "127.0.0.1",
+           "--port", str(port), "--key", KEY, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def expect_listening(proc, port):
+    line = read_line(proc)
+    assert line.startswith(f"listening on 127.0.0.1:{port} (key {KEY}"), line
+    wait_for_port(port, proc)
+
+
+def wait_for_free_servers(tracker_port, n, timeout=START_TIMEOUT):
+    from tvm import rpc
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tracker = rpc.connect_tracker("127.0.0.1", tracker_port)
+        free = tracker.summary()["queue_info"].get(KEY, {}).get("free", 0)
+        tracker.close()
+        if free >= n:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"tracker did not see {n} free servers")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A standalone server, plus a tracker with two servers registered under KEY."""
+    port, tport, ports = free_port(), free_port(), [free_port(), free_port()]
+    procs = []
+    try:
+        procs.append(start_server(port))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
+             "--port", str(tport), "--port-end", str(tport + 1), "--silent"],
+            start_new_session=True))
+        wait_for_port(tport, procs[-1])
+        tracked = [start_server(p, "--tracker", f"127.0.0.1:{tport}") for p in ports]
+        procs += tracked
+        expect_listening(procs[0], port)
+        for p, proc in zip(ports, tracked):
+            expect_listening(proc, p)
+        wait_for_free_servers(tport, 2)
+        yield {"port": port, "tracker_port": tport, "tracked": tracked}
+    finally:
+        stop(procs)
+
+
+# ----------------------------------------------------------------------------------------
+# one server
+# ----------------------------------------------------------------------------------------
+def test_gemm_matches_numpy_and_local_counters(cluster):
+    program, inputs = gemm_program(), gemm_inputs(0)
+    local = LocalRunner(SPEC).run(program, inputs)
+    with RPCRunner("127.0.0.1", cluster["port"], SPEC, key=KEY) as runner:
+        info = runner.info()
+        remote = runner.run(program, inputs, trace=True)
+        low = runner.run(program, inputs, profile="low-battery")
+        assert runner.run(program, inputs).counters == remote.counters  # profile is per run
+    assert low.counters == LocalRunner(SPEC).run(program, inputs, profile="low-battery").counters
+    assert low.counters["profile"] == "low-battery" != remote.counters["profile"]
+    np.testing.assert_allclose(remote.outputs["C"], reference(inputs), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(remote.outputs["C"], local.outputs["C"])
+    assert remote.counters == local.counters  # the emulator is deterministic
+    assert remote.counters["total_cycles"] > 0 and remote.counters["macs"] == 32 * 32 * 64
+    assert [e.index for e in remote.trace][:2] == [0, 1]
+    assert remote.server.address == f"127.0.0.1:{cluster['port']}"
+    assert remote.server.pid == info["server_pid"] != os.getpid()
+    assert info["default_spec"] == SPEC.name and SPEC.name in info["specs"]
+    assert info["edgetvm_version"] and info["key"] == KEY
+
+
+def test_custom_spec_reaches_the_server(cluster):
+    slow = SPEC.replace(clock_mhz=SPEC.clock_mhz / 2)
+    program, inputs = gemm_program(), gemm_inputs(1)
+    with connect(f"rpc://127.0.0.1:{cluster['port']}/{KEY}", spec=slow) as runner:
+        remote = runner.run(program, inputs)
+    assert remote.counters == LocalRunner(slow).run(program, inputs).counters
+    assert remote.counters["time_us"] == pytest.approx(
+        2 * LocalRunner(SPEC).run(program, inputs).counters["time_us"])
+
+
+def test_state_persists_within_one_session_only(cluster):
+    program, inputs = accumulate_program(), gemm_inputs(2, 16, 16, 32)
+    once = reference(inputs)
+    with RPCRunner("127.0.0.1", cluster["port"], SPEC, key=KEY) as runner:
+        np.testing.assert_allclose(runner.run(program, inputs).outputs["y"], once, rtol=1e-5)
+        np.testing.assert_allclose(runner.run(program, inputs).outputs["y"], 2 * once, rtol=1e-5)
+        np.testing.assert_allclose(runner.state()["S"], 2 * once, rtol=1e-5)
+        with runner.device() as other:  # a second device has its own state
+            np.testing.assert_allclose(other.run(program, inputs).outputs["y"], once, rtol=1e-5)
+        fresh = runner.run_many([RunJob(program, inputs)])[0]  # jobs run on fresh state
+        np.testing.assert_allclose(fresh.outputs["y"], once, rtol=1e-5)
+        old_handle = runner._default.handle
+    # a new session is a new fork of the server: clean device, old handles refused
+    with RPCRunner("127.0.0.1", cluster["port"], SPEC, key=KEY) as runner:
+        np.testing.assert_allclose(runner.run(program, inputs).outputs["y"], once, rtol=1e-5)
+        with pytest.raises(EdgeTVMError, match="unknown device handle"):
+            runner._channel().run(RunJob(program, inputs), None, old_handle)
+
+
+def test_refused_program_reports_command_index(cluster):
+    program, inputs = gemm_program(broken=True), gemm_inputs(3)
+    with pytest.raises(InvalidProgramError) as local:
+        LocalRunner(SPEC).run(program, inputs)
+    with RPCRunner("127.0.0.1", cluster["port"], SPEC, key=KEY) as runner:
+        with pytest.raises(InvalidProgramError) as remote:
+            runner.run(program, inputs)
+        assert str(remote.value) == str(local.value)
+        assert remote.value.command_index == 2 and str(remote.value).startswith("command 2:")
+        assert "RPCError" not in str(remote.value)
+        # the session survives a refused program; run_many can keep failures in their slots
+        ok, bad = runner.run_many([(gemm_program(), inputs), (program, inputs)],
+                                  return_exceptions=True)
+    np.testing.assert_allclose(ok.outputs["C"], reference(inputs), rtol=1e-5, atol=1e-4)
+    assert isinstance(bad, InvalidProgramError) and bad.command_index == 2
+
+
+def test_connection_errors_name_the_address(cluster):
+    port = free_port()
+    with pytest.raises(RunnerConnectionError, match=f"127.0.0.1:{port}"):
+        RPCRunner("127.0.0.1", port, SPEC, key=KEY)
+    with pytest.raises(RunnerConnectionError, match=f"refused key 'wrong'"):
+        RPCRunner("127.0.0.1", cluster["port"], SPEC, key="wrong")
+    with pytest.raises(RunnerConnectionError, match=f"tracker at 127.0.0.1:{port}"):
+        connect(f"tracker://127.0.0.1:{port}/{KEY}")
+    with pytest.raises(RunnerError, match="scheme"):
+        connect("http://127.0.0.1:9190")
+
+
+def test_cli_rejects_bad_arguments():
+    for args, message in ((["--port", "0"], "out of range"), (["--spec", "nope"], "nope"),
+                          (["--tracker", "nohost"], "HOST:PORT")):
+        proc = subprocess.run([sys.executable, "-m", "edgetvm.rpc_server", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# tracker + two servers
+# ----------------------------------------------------------------------------------------
+def test_tracker_run_many_spreads_over_both_servers(cluster):
+    shapes = [(32, 32, 64), (64, 32, 32), (32, 64, 32), (16, 16, 64)] * 2
+    jobs = [RunJob(gemm_program(*s), gemm_inputs(i, *s)) for i, s in enumerate(shapes)]
+    with connect(f"tracker://127.0.0.1:{cluster['tracker_port']}/{KEY}", spec=SPEC) as runner:
+        assert isinstance(runner, TrackerRunner)
+        assert runner.servers()["total"] == 2  # run_many opens one session per server
+        results = runner.run_many(jobs)
+    for job, res in zip(jobs, results):
+        np.testing.assert_allclose(res.outputs["C"], reference(job.inputs), rtol=1e-5, atol=1e-4)
+    assert results[0].counters == LocalRunner(SPEC).run(jobs[0].program, jobs[0].inputs).counters
+    # each server's pid is the TVM server process its `python -m edgetvm.rpc_server` started
+    launchers = {p.pid for p in cluster["tracked"]}
+    used = {r.server.pid for r in results}
+    assert len(used) == 2, used
+    assert {psutil.Process(pid).ppid() for pid in used} == launchers
