@@ -14,12 +14,17 @@ overlaps an earlier group instead of falling back to another alternative of an O
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import tvm
+from tvm.relax.dpl import is_op
 from tvm import relax
+
+# TVM 0.27 moved constants to tvm.ir (relax.const builds an ir.GenericConst).
+Constant = tvm.ir.expr.Constant
 
 COMPOSITE_PREFIX = "edgetvm."
 ATTR_PREFIX = "edgetvm."
@@ -76,9 +81,57 @@ def fuse_regions(mod: tvm.IRModule, patterns: list[RegionPattern]) -> tvm.IRModu
         fusion = relax.transform.FusionPattern(
             COMPOSITE_PREFIX + region.kind, region.pattern, region.annotations, check, attrs_getter
         )
-        mod = relax.transform.FuseOpsByPattern(
+        fused = relax.transform.FuseOpsByPattern(
             [fusion], bind_constants=False, annotate_codegen=False
         )(mod)
+        try:
+            relax.analysis.well_formed(fused)  # 0.27: raises instead of returning False
+        except Exception as err:  # noqa: BLE001 (0.27 raises ValueError or InternalError)
+            # Matches that share a binding make FuseOpsByPattern emit a use before its
+            # definition. Keep the region unrecognised rather than break the module.
+            warnings.warn(f"edgetvm: skipped pattern {region.kind}: {str(err)[:300]}")
+            continue
+        mod = fused
+    return _inline_shape_params(mod)
+
+
+@relax.expr_functor.mutator
+class _ShapeParamInliner(relax.PyExprMutator):
+    def __init__(self, substitutions: dict):
+        super().__init__()
+        self.substitutions = substitutions
+
+    def visit_var_(self, var):
+        if var in self.substitutions:
+            return self.substitutions[var]
+        return super().visit_var_(var)
+
+
+def _inline_shape_params(mod: tvm.IRModule) -> tvm.IRModule:
+    """Use the shape value, not the lifted shape parameter, inside composite functions.
+
+    ``FuseOpsByPattern`` lifts a symbolic ``R.shape([batch, seq, 8, 32])`` operand (of a
+    reshape / broadcast_to absorbed into a region) to a function parameter; legalisation
+    of reshape needs the ShapeExpr itself. The parameter's type carries the values, so
+    uses are rewritten to an equal ShapeExpr and the parameter stays (it defines the
+    symbolic variables).
+    """
+    updates = {}
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function) or func.attrs is None or "Composite" not in func.attrs:
+            continue
+        substitutions = {
+            p: relax.ShapeExpr(p.ty.values)
+            for p in func.params
+            if isinstance(p.ty, relax.ShapeType) and p.ty.values is not None
+        }
+        if substitutions:
+            updates[gv] = _ShapeParamInliner(substitutions).visit_expr(func)
+    if not updates:
+        return mod
+    mod = mod.clone()
+    for gv, func in updates.items():
+        mod.update_func(gv, func)
     return mod
 
 
@@ -95,23 +148,18 @@ def _attr_str(value) -> str:
 # ---------------------------------------------------------------- expression helpers
 
 
-def static_shape(expr: relax.Expr) -> tuple[int, ...]:
-    """Static shape of a tensor expression; ValueError if any dimension is symbolic."""
+def static_shape(expr: relax.Expr) -> tuple:
+    """Shape of a tensor expression: ints for static dimensions, the symbolic expression
+    as text (e.g. ``"seq_len"``) for dynamic ones, ``"?"`` for each dimension when only
+    the rank is known (a tuple item of a fused region with symbolic shapes).
+    ValueError if the rank is unknown."""
     ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        raise ValueError("not a tensor with known shape")
-    dims = []
-    for d in ty.shape.values:
-        if not isinstance(d, tvm.tirx.IntImm):
-            raise ValueError("symbolic dimension")
-        dims.append(int(d))
-    return tuple(dims)
-
-
-def dim(expr: relax.Expr, axis: int):
-    """One dimension of a tensor: an int if static, else its symbolic expression as text."""
-    d = expr.ty.shape.values[axis]
-    return int(d) if isinstance(d, tvm.tirx.IntImm) else str(d)
+    if not isinstance(ty, relax.TensorType) or ty.ndim < 0:
+        raise ValueError("not a tensor of known rank")
+    values = getattr(ty.shape, "values", None) if ty.shape is not None else None
+    if values is None:
+        return ("?",) * ty.ndim
+    return tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in values)
 
 
 def dtype_of(expr: relax.Expr) -> str:
@@ -125,12 +173,17 @@ def is_float(expr: relax.Expr) -> bool:
 
 def scalar_value(expr: relax.Expr) -> float:
     """Value of a constant holding one element (any rank); ValueError otherwise."""
-    if not isinstance(expr, relax.Constant):
-        raise ValueError("not a constant")
-    data = expr.data.numpy()
+    data = const_array(expr)
     if data.size != 1:
         raise ValueError("not a scalar constant")
     return float(data.reshape(()))
+
+
+def const_array(expr: relax.Expr) -> np.ndarray:
+    """Value of a bound constant as numpy; ValueError if ``expr`` is not a constant."""
+    if not isinstance(expr, Constant):
+        raise ValueError("not a constant")
+    return expr.value.numpy()
 
 
 def bindings_of(func: relax.Function) -> dict:
@@ -170,3 +223,20 @@ def main_functions(mod: tvm.IRModule):
             func.attrs is None or "Composite" not in func.attrs
         ):
             yield gv, func
+
+
+def call(op_name: str, *args):
+    """Pattern of a call to ``op_name`` whose leading arguments match ``args``.
+
+    Trailing arguments are wildcards: several 0.27 ops carry their parameters as
+    arguments (``strided_slice`` axes/begin/end, ``reshape``/``broadcast_to`` shapes).
+    """
+    return is_op(op_name)(*args, varg_default_wildcard=True)
+
+
+def head_split(t):
+    """``t`` optionally split into heads: ``permute_dims(reshape(t))`` (batch, heads, seq,
+    head_dim) or, when seq is 1 and the exporter dropped the transpose, ``reshape(t)``.
+    Absorbing the split keeps this layout glue inside the region that consumes it."""
+    split = call("relax.reshape", t)
+    return call("relax.permute_dims", split) | split | t

@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_const, is_gv, is_op, is_tuple, wildcard
 
-from ._fusion import dtype_of, static_shape
+from ._fusion import Constant, call, dtype_of, static_shape
 
 W4A16_OP = "linear_w4a16"
 # call_tir argument tuples of MatMulNBits-style kernels: x, packed weight, scales,
@@ -24,10 +24,15 @@ _W4A16_ARITIES = (3, 4, 5)
 
 
 def w4a16_call(inp):
-    """Pattern of a call_tir whose first argument is ``inp`` (checked by ``is_w4a16``)."""
+    """Pattern of a W4A16 call_tir on ``inp`` (the callee is checked by ``call_tir_ok``).
+
+    The front end flattens the activation to 2-D for the kernel; that reshape belongs
+    to the projection. Returns the call pattern (its result is still 2-D).
+    """
+    flat = call("relax.reshape", inp) | inp
     alternatives = [
         is_op("relax.call_tir")(
-            is_gv(""), is_tuple([inp] + [wildcard() for _ in range(n - 1)]), add_constraint=False
+            is_gv(""), is_tuple([flat] + [wildcard() for _ in range(n - 1)]), add_constraint=False
         )
         for n in _W4A16_ARITIES
     ]
@@ -39,33 +44,36 @@ def w4a16_call(inp):
 
 def matmul_const(inp):
     """Pattern of ``matmul(inp, W)`` with a constant weight."""
-    return is_op("relax.matmul")(inp, is_const())
+    return call("relax.matmul", inp, is_const())
 
 
-def projection(inp, bias: bool | None, name: str = ""):
-    """Pattern of one projection of ``inp`` and its annotations.
+def projection_variants(inp, name: str = "") -> list:
+    """The spellings of one projection of ``inp``, longest first, for a pattern root.
 
-    Parameters
-    ----------
-    inp : DFPattern
-        The activation input.
-    bias : bool or None
-        True: a constant bias add is required; False: none; None: optional (never use
-        None for the pattern root, see ``_fusion``).
-    name : str
-        Prefix of the annotation names (``<name>core``, ``<name>bias``).
+    ``FuseOpsByPattern`` does not fall back from a longer to a shorter alternative of an
+    OrPattern at the root, so each spelling is its own root pattern: ``x @ W + b``,
+    ``reshape(w4a16(x))`` (back to the activation's rank), then the bare
+    ``x @ W`` / ``w4a16(x)``.
 
     Returns
     -------
-    pattern : DFPattern
-    annotations : dict
-        ``core`` (the matmul / call_tir) and, if present, ``bias`` (the bias constant).
+    list of DFPattern
+    dict
+        Annotations shared by all variants: ``<name>dense`` (the matmul) or
+        ``<name>w4`` (the call_tir), and ``<name>bias`` where present.
     """
-    core = matmul_const(inp) | w4a16_call(inp)
-    bias_const = is_const()
-    with_bias = is_op("relax.add")(core, bias_const)
-    pattern = {True: with_bias, False: core, None: with_bias | core}[bias]
-    return pattern, {name + "core": core, name + "bias": bias_const}
+    dense, w4, bias = matmul_const(inp), w4a16_call(inp), is_const()
+    variants = [call("relax.add", dense, bias), call("relax.reshape", w4), dense | w4]
+    return variants, {name + "dense": dense, name + "w4": w4, name + "bias": bias}
+
+
+def projection(inp, name: str = ""):
+    """All spellings of a projection as one pattern, for use inside a larger pattern."""
+    variants, annotations = projection_variants(inp, name)
+    pattern = variants[0]
+    for alt in variants[1:]:
+        pattern = pattern | alt
+    return pattern, annotations
 
 
 def is_w4a16(mod: tvm.IRModule, call: relax.Expr) -> bool:
@@ -93,21 +101,24 @@ def weight_is_2d(ctx) -> bool:
     """Every constant-weight matmul in the match has a 2-D weight (a projection, not bmm)."""
     for value in ctx.matched_bindings.values():
         if isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.matmul"):
-            if isinstance(value.args[1], relax.Constant) and len(static_shape(value.args[1])) != 2:
+            if isinstance(value.args[1], Constant) and len(static_shape(value.args[1])) != 2:
                 return False
     return True
 
 
 def projection_attrs(mod: tvm.IRModule, matched: dict, name: str = "") -> dict:
     """Attributes (features, bias, weight format, group size) of a matched projection."""
-    core = matched[name + "core"]
-    attrs = {"out_features": static_shape(core)[-1], "bias": (name + "bias") in matched}
-    if is_w4a16(mod, core):
-        attrs["weight_format"] = "w4a16"
-        attrs["group_size"] = w4a16_group_size(mod, core)
-        attrs["in_features"] = static_shape(core.args[1].fields[0])[-1]
+    if name + "w4" in matched:
+        core = matched[name + "w4"]
+        attrs = {
+            "weight_format": "w4a16",
+            "group_size": w4a16_group_size(mod, core),
+            "in_features": static_shape(core.args[1].fields[0])[-1],
+        }
     else:
+        core = matched[name + "dense"]
         weight = core.args[1]
-        attrs["weight_format"] = dtype_of(weight)
-        attrs["in_features"] = static_shape(weight)[0]
+        attrs = {"weight_format": dtype_of(weight), "in_features": static_shape(weight)[0]}
+    attrs["out_features"] = static_shape(core)[-1]
+    attrs["bias"] = (name + "bias") in matched
     return {name + k: v for k, v in attrs.items()}

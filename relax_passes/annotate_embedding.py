@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import tvm
-from tvm.relax.dpl import is_const, is_op, wildcard
+from tvm.relax.dpl import is_const, wildcard
 
-from ._fusion import RegionPattern, fuse_regions, is_float, static_shape
+from ._fusion import RegionPattern, call, fuse_regions, is_float, static_shape
 
 
 def embedding_patterns() -> list[RegionPattern]:
@@ -15,11 +15,11 @@ def embedding_patterns() -> list[RegionPattern]:
     ``where(ids < 0, ids + n, ids)``; that normalisation belongs to the lookup.
     """
     ids, table = wildcard(), is_const()
-    wrapped = is_op("relax.where")(
-        is_op("relax.less")(ids, is_const()), is_op("relax.add")(ids, wildcard()), ids
+    wrapped = call("relax.where", 
+        call("relax.less", ids, is_const()), call("relax.add", ids, wildcard()), ids
     )
-    normalised = is_op("relax.take")(table, wrapped)
-    plain = is_op("relax.take")(table, ids)
+    normalised = call("relax.take", table, wrapped)
+    plain = call("relax.take", table, ids)
 
     def check(m, ctx):
         take = ctx.matched_expr

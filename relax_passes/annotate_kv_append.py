@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax
-from tvm.relax.dpl import is_op, is_tuple, wildcard
+from tvm.relax.dpl import is_tuple, wildcard
 
-from ._fusion import RegionPattern, fuse_regions, static_shape
+from ._fusion import RegionPattern, call, fuse_regions, head_split, static_shape
 
 
 def kv_append_patterns() -> list[RegionPattern]:
     """``concat((past, new), axis=seq)`` where ``past`` is a function parameter (the
-    ``past_key_values.N.key/value`` input) of rank 4 (batch, kv_heads, seq, head_dim)."""
+    ``past_key_values.N.key/value`` input) of rank 4 (batch, kv_heads, seq, head_dim);
+    the head split of ``new`` (values come straight from their projection) is absorbed."""
     past, new = wildcard(), wildcard()
-    append = is_op("relax.concat")(is_tuple([past, new]))
+    append = call("relax.concat", is_tuple([past, head_split(new)]))
 
     def check(m, ctx):
         past_var = ctx.matched_expr.args[0].fields[0]
@@ -24,14 +25,17 @@ def kv_append_patterns() -> list[RegionPattern]:
         return len(shape) == 4 and axis in (2, -2)
 
     def attrs(m):
-        _, kv_heads, new_len, head_dim = static_shape(m["new"])
-        name = m["past"].name_hint if isinstance(m["past"], relax.Var) else ""
-        cache = "key" if "key" in name else "value" if "value" in name else "kv"
+        _, kv_heads, total_len, head_dim = static_shape(m["root"])
+        past_len = static_shape(m["past"])[2]
+        name = str(m["past"].name) if isinstance(m["past"], relax.Var) else ""
+        # past_key_values.N.key / .value (the importer turns dots into underscores)
+        last = name.replace(".", "_").rsplit("_", 1)[-1]
+        cache = last if last in ("key", "value") else "kv"
         return {
             "num_kv_heads": kv_heads,
             "head_dim": head_dim,
-            "new_len": new_len,
-            "total_len": static_shape(m["root"])[2],
+            "past_len": past_len,
+            "total_len": total_len,
             "cache": cache,
         }
 
@@ -45,7 +49,7 @@ class AnnotateKVAppend:
     In the with-past export the cache is a graph input and the grown cache a graph
     output, joined by a concat along the sequence axis. The state & layout passes replace
     exactly these regions by an in-place write into persistent KV pages, so they are
-    marked here. Attributes: ``num_kv_heads``, ``head_dim``, ``new_len``, ``total_len``, ``cache`` (key/value, from the input name).
+    marked here. Attributes: ``num_kv_heads``, ``head_dim``, ``past_len``, ``total_len``, ``cache`` (key/value, from the input name).
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:

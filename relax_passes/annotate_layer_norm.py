@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import tvm
-from tvm.relax.dpl import is_const, is_op, wildcard
+from tvm.relax.dpl import is_const, wildcard
 
-from ._fusion import RegionPattern, fuse_regions, scalar_value, static_shape
+from ._fusion import RegionPattern, call, fuse_regions, scalar_value, static_shape
 
 
 def layer_norm_patterns() -> list[RegionPattern]:
     """``R.nn.layer_norm`` (ONNX LayerNormalization) and its decomposed spelling
     ``(x - mean) / sqrt(var + eps) * gamma + beta`` of older exports."""
     x, gamma, beta, eps = wildcard(), is_const(), is_const(), is_const()
-    fused = is_op("relax.nn.layer_norm")(x, wildcard(), wildcard())
-    centred = is_op("relax.subtract")(x, is_op("relax.mean")(x))
-    square = is_op("relax.power")(centred, is_const()) | is_op("relax.multiply")(centred, centred)
-    root = is_op("relax.sqrt")(is_op("relax.add")(is_op("relax.mean")(square), eps))
-    normed = is_op("relax.divide")(centred, root)
-    affine = is_op("relax.add")(is_op("relax.multiply")(normed, gamma), beta)
-    scaled = is_op("relax.multiply")(normed, gamma)
+    fused = call("relax.nn.layer_norm", x, wildcard(), wildcard())
+    centred = call("relax.subtract", x, call("relax.mean", x))
+    square = call("relax.power", centred, is_const()) | call("relax.multiply", centred, centred)
+    root = call("relax.sqrt", call("relax.add", call("relax.mean", square), eps))
+    normed = call("relax.divide", centred, root)
+    affine = call("relax.add", call("relax.multiply", normed, gamma), beta)
+    scaled = call("relax.multiply", normed, gamma)
     annotations = {"x": x, "eps": eps}
 
     def fused_attrs(m):

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import tvm
-from tvm.relax.dpl import is_const, is_op, wildcard
+from tvm.relax.dpl import is_const, wildcard
 
-from ._fusion import RegionPattern, fuse_regions, scalar_value, static_shape
+from ._fusion import RegionPattern, call, fuse_regions, scalar_value, static_shape
 
 
 def _inverse_rms(x):
     """``1 / sqrt(mean(x^2) + eps)`` in the spellings the ONNX exporters produce."""
-    square = is_op("relax.power")(x, is_const()) | is_op("relax.multiply")(x, x)
+    square = call("relax.power", x, is_const()) | call("relax.multiply", x, x)
     eps = is_const()
-    var_eps = is_op("relax.add")(is_op("relax.mean")(square), eps)
-    root = is_op("relax.sqrt")(var_eps)
-    inv = is_op("relax.divide")(is_const(), root) | is_op("relax.rsqrt")(var_eps)
+    var_eps = call("relax.add", call("relax.mean", square), eps)
+    root = call("relax.sqrt", var_eps)
+    inv = call("relax.divide", is_const(), root) | call("relax.rsqrt", var_eps)
     return inv, root, eps
 
 
@@ -23,8 +23,8 @@ def rms_norm_patterns() -> list[RegionPattern]:
     exporter folded a weight of ones away (the fixed-shape folds do)."""
     x, weight = wildcard(), is_const()
     inv, root, eps = _inverse_rms(x)
-    normed = is_op("relax.multiply")(x, inv) | is_op("relax.divide")(x, root)
-    weighted = is_op("relax.multiply")(normed, weight)
+    normed = call("relax.multiply", x, inv) | call("relax.divide", x, root)
+    weighted = call("relax.multiply", call("relax.astype", normed) | normed, weight)
     annotations = {"x": x, "eps": eps, "weight": weight}
 
     def check(m, _ctx):

@@ -58,7 +58,7 @@ ITEMSIZE = {d: np.dtype(d).itemsize for d in DTYPES}
 
 #: vector ops and how many TCM sources each takes (``imm`` may replace a binary's 2nd)
 VECTOR_OP_ARITY = {
-    "add": 2, "sub": 2, "mul": 2, "max": 2,          # elementwise, broadcasting 2nd operand
+    "add": 2, "sub": 2, "mul": 2, "max": 2, "div": 2,  # elementwise, broadcasting 2nd operand
     "reduce_max": 1, "reduce_sum": 1,                 # along cols: (R, C) -> (R, 1)
     "exp": 1, "rsqrt": 1, "silu": 1, "gelu": 1,       # unary; rsqrt(x + imm), exp(x * imm)
     "cast": 1, "copy": 1,

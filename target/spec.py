@@ -24,7 +24,7 @@ PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
 #: dtype keys of the matrix unit: fp16 x fp16, int8 x int8, fp16 x 4-bit weights.
 MMA_DTYPES = ("fp16", "int8", "w4a16")
 #: vector ops with a per-op cost (cycles per ``vector_lanes`` elements).
-VECTOR_OPS = ("add", "sub", "mul", "max", "reduce_max", "reduce_sum", "exp", "rsqrt",
+VECTOR_OPS = ("add", "sub", "mul", "max", "div", "reduce_max", "reduce_sum", "exp", "rsqrt",
               "silu", "gelu", "rope", "mask", "cast", "copy")
 UNITS = ("dma", "matrix", "vector", "host")
 

@@ -74,6 +74,10 @@ def mma(cmd: Mma, tcm: np.ndarray) -> None:
         out[...] = r
 
 
+_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum,
+           "div": np.divide}
+
+
 def _erf(x: np.ndarray) -> np.ndarray:
     # Abramowitz & Stegun 7.1.26, |error| < 1.5e-7: numpy has no erf and scipy is not a dependency.
     t = 1.0 / (1.0 + 0.3275911 * np.abs(x))
@@ -86,9 +90,9 @@ def vector(cmd: Vector, tcm: np.ndarray, params) -> None:
     op = cmd.op
     dst = tcm_view(tcm, cmd.dst)
     x = tcm_view(tcm, cmd.srcs[0]).astype(_F32)
-    if op in ("add", "sub", "mul", "max"):
+    if op in _BINARY:
         y = _F32(cmd.imm) if len(cmd.srcs) == 1 else tcm_view(tcm, cmd.srcs[1]).astype(_F32)
-        r = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum}[op](x, y)
+        r = _BINARY[op](x, y)
     elif op == "reduce_max":
         r = x.max(axis=1, keepdims=True)
     elif op == "reduce_sum":

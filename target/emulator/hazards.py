@@ -11,6 +11,7 @@ because of how long a DMA took is still refused.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -27,9 +28,13 @@ class Region:
     width: int
     stride: int
 
-    @property
+    @cached_property     # hot in the race checks; frozen, so computed once
     def end(self) -> int:
         return self.offset + (self.rows - 1) * self.stride + self.width
+
+    @cached_property
+    def dense(self) -> bool:
+        return self.rows == 1 or self.stride == self.width
 
     def describe(self) -> str:
         where = "TCM" if self.space == "tcm" else f"DRAM tensor {self.space[5:]!r}"
@@ -57,8 +62,7 @@ def overlaps(a: Region, b: Region) -> bool:
 
 
 def contains(outer: Region, inner: Region) -> bool:
-    dense = outer.rows == 1 or outer.stride == outer.width
-    return dense and outer.space == inner.space and outer.offset <= inner.offset \
+    return outer.dense and outer.space == inner.space and outer.offset <= inner.offset \
         and inner.end <= outer.end
 
 
@@ -72,7 +76,13 @@ class _Access:
 
 
 class HazardChecker:
-    """Vector clocks per unit plus a shadow list of recent accesses per address space."""
+    """Vector clocks per unit plus a shadow table of recent accesses per address space.
+
+    The table of a space maps ``(unit, write, region)`` to the latest such access: a newer
+    access of the same region by the same unit subsumes the older one (anything that races
+    the older one races the newer one). Accesses every unit that still has commands to
+    issue has already ordered itself after are dropped (:meth:`retire`, :meth:`_prune`).
+    """
 
     def __init__(self, units):
         self.units = list(units)
@@ -80,7 +90,8 @@ class HazardChecker:
         n = len(self.units)
         self.clock = {u: (0,) * n for u in self.units}
         self.seq = [0] * n
-        self.accesses: dict[str, list] = {}
+        self.accesses: dict[str, dict] = {}
+        self.retired: set = set()
         self._since_prune = 0
 
     def begin(self, unit: str, joined: list) -> tuple:
@@ -94,25 +105,42 @@ class HazardChecker:
         self.clock[unit] = vc
         return vc
 
+    def retire(self, unit: str) -> None:
+        """``unit`` issues no more commands before the next barrier: its clock no longer
+        holds accesses alive."""
+        self.retired.add(unit)
+
     def barrier(self) -> None:
         """Launch / End: every unit waits for every other, so nothing before can race."""
         vc = tuple(max(c[i] for c in self.clock.values()) for i in range(len(self.units)))
         for u in self.units:
             self.clock[u] = vc
         self.accesses.clear()
+        self.retired.clear()
 
     def check(self, index: int, unit: str, vc: tuple, reads, writes, names) -> None:
         u = self.uidx[unit]
         for r in reads:
-            for acc in self.accesses.get(r.space, ()):
-                if acc.write and vc[acc.unit] < acc.seq and overlaps(r, acc.region):
+            table = self.accesses.get(r.space)
+            if not table:
+                continue
+            lo, hi = r.offset, r.end
+            for acc in table.values():
+                g = acc.region
+                if acc.write and vc[acc.unit] < acc.seq and g.offset < hi and lo < g.end \
+                        and overlaps(r, g):
                     raise InvalidProgramError(
                         f"race: {names[index]} reads {r.describe()} written by command "
                         f"{acc.index} ({names[acc.index]} on {self.units[acc.unit]}) without "
                         f"waiting on an event that command signals", index)
         for w in writes:
-            for acc in self.accesses.get(w.space, ()):
-                if vc[acc.unit] < acc.seq and overlaps(w, acc.region):
+            table = self.accesses.get(w.space)
+            if not table:
+                continue
+            lo, hi = w.offset, w.end
+            for acc in table.values():
+                g = acc.region
+                if vc[acc.unit] < acc.seq and g.offset < hi and lo < g.end and overlaps(w, g):
                     what = "writes" if acc.write else "still reads"
                     raise InvalidProgramError(
                         f"race: {names[index]} overwrites {w.describe()} that command "
@@ -120,18 +148,36 @@ class HazardChecker:
                         f"without an event ordering the two", index)
         seq = vc[u]
         for w in writes:
-            lst = self.accesses.setdefault(w.space, [])
-            lst[:] = [a for a in lst if not (vc[a.unit] >= a.seq and contains(w, a.region))]
-            lst.append(_Access(w, u, seq, index, True))
+            table = self.accesses.setdefault(w.space, {})
+            if w.dense and table:
+                # accesses ordered before this write and inside it can never race again
+                lo, hi = w.offset, w.end
+                dead = [k for k, a in table.items() if lo <= a.region.offset
+                        and a.region.end <= hi and vc[a.unit] >= a.seq]
+                for k in dead:
+                    del table[k]
+            key = (u, True, w)
+            table.pop(key, None)
+            table[key] = _Access(w, u, seq, index, True)
         for r in reads:
-            self.accesses.setdefault(r.space, []).append(_Access(r, u, seq, index, False))
+            table = self.accesses.setdefault(r.space, {})
+            key = (u, False, r)
+            table.pop(key, None)
+            table[key] = _Access(r, u, seq, index, False)
         self._since_prune += 1
         if self._since_prune >= 64:
             self._prune()
 
     def _prune(self) -> None:
-        # An access every unit's clock already covers can never race again.
+        # An access every unit that can still issue has ordered itself after can never race
+        # again: such a unit's future clocks are at least its current one.
         self._since_prune = 0
-        floor = [min(c[i] for c in self.clock.values()) for i in range(len(self.units))]
-        for space, lst in self.accesses.items():
-            lst[:] = [a for a in lst if floor[a.unit] < a.seq]
+        live = [c for u, c in self.clock.items() if u not in self.retired]
+        if not live:
+            self.accesses.clear()
+            return
+        floor = [min(c[i] for c in live) for i in range(len(self.units))]
+        for table in self.accesses.values():
+            dead = [k for k, a in table.items() if floor[a.unit] >= a.seq]
+            for k in dead:
+                del table[k]

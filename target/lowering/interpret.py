@@ -245,6 +245,8 @@ class Interpreter:
         if kind == "vector":
             imms = _float_imms(block.body)
             attrs["imm"] = imms[0] if imms else None
+            if "npu.imm" in loop.annotations:        # when the body has several constants
+                attrs["imm"] = float(_ann(loop.annotations, "npu.imm"))
         if kind not in ("dma", "mma", "vector"):
             raise CandidateRejected(f"unknown npu.op {kind_ann!r} on block {block.name_hint!r}")
         self.ops.append(TileOp(len(self.ops), kind, vop, reads, writes, path, block.name_hint,

@@ -17,7 +17,7 @@ from tvm import tirx
 from edgetvm.errors import CandidateRejected
 
 from ..builder import ProgramBuilder
-from ..isa import Affine, DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector
+from ..isa import VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector
 from .interpret import Interpreter
 from .sync import insert_events
 from .tcm_alloc import locate, plan_tcm
@@ -255,6 +255,8 @@ def _vector(op, tcm) -> Vector:
 
     dst = ref(op.writes[0])
     srcs = tuple(ref(r) for r in op.reads)
+    if VECTOR_OP_ARITY.get(op.op) == 2 and len(srcs) == 1 and op.attrs.get("imm") is None:
+        srcs = srcs * 2          # x * x: the block reads one buffer twice
     if op.op.startswith("reduce_"):
         rows = srcs[0].shape[0]
         dst = TcmRef(dst.offset, (rows, 1), dst.dtype,

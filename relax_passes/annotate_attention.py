@@ -1,0 +1,92 @@
+"""AnnotateAttention: scaled dot-product attention with grouped-query K/V repeat."""
+
+from __future__ import annotations
+
+import tvm
+from tvm.relax.dpl import is_const, wildcard
+
+from ._fusion import RegionPattern, call, fuse_regions, head_split, scalar_value, static_shape
+
+
+def _repeat_kv(t):
+    """Grouped-query repeat ``reshape(broadcast_to(expand_dims(t)))`` or no repeat."""
+    repeated = call("relax.reshape", call("relax.broadcast_to", call("relax.expand_dims", t)))
+    return repeated | t
+
+
+def attention_patterns() -> list[RegionPattern]:
+    """``softmax(scale * q @ k^T + mask) @ v`` followed by the head merge.
+
+    Scale spellings: ``(q @ k^T) * s``, ``(q @ k^T) / s`` and ``(q * sqrt(s)) @
+    (k^T * sqrt(s))`` (what torch's SDPA export emits). ``where(isnan(p), 0, p)`` after
+    the softmax (fully masked rows) belongs to the region, and so do the head split of
+    ``v`` and the head merge (transpose + reshape back to (batch, seq, hidden)).
+    """
+    q, k, v, mask = wildcard(), wildcard(), wildcard(), wildcard()
+    s_mul, s_div, s_q, s_k = is_const(), is_const(), is_const(), is_const()
+    k_t = call("relax.permute_dims", _repeat_kv(k))
+    raw = call("relax.matmul", q, k_t)
+    scores = (
+        call("relax.multiply", raw, s_mul)
+        | call("relax.divide", raw, s_div)
+        | call("relax.matmul", call("relax.multiply", q, s_q), call("relax.multiply", k_t, s_k))
+    )
+    masked = call("relax.add", scores, mask)
+    probs = call("relax.nn.softmax", masked | scores)
+    probs = call("relax.where", call("relax.isnan", probs), is_const(), probs) | probs
+    out = call("relax.matmul", probs, _repeat_kv(head_split(v)))
+    merged_t = call("relax.reshape", call("relax.permute_dims", out))
+    merged = call("relax.reshape", out)
+    annotations = {
+        "q": q, "k": k, "v": v, "mask": mask, "out": out,
+        "s_mul": s_mul, "s_div": s_div, "s_q": s_q, "s_k": s_k,
+    }
+
+    def check(m, _ctx):
+        return len(static_shape(m["q"])) == 4 and len(static_shape(m["k"])) == 4
+
+    def attrs(m, merges_heads):
+        _, heads, q_len, head_dim = static_shape(m["q"])
+        _, kv_heads, kv_len, _ = static_shape(m["k"])
+        if "s_mul" in m:
+            scale = scalar_value(m["s_mul"])
+        elif "s_div" in m:
+            scale = 1.0 / scalar_value(m["s_div"])
+        elif "s_q" in m:
+            scale = scalar_value(m["s_q"]) * scalar_value(m["s_k"])
+        else:
+            scale = 1.0
+        return {
+            "num_heads": heads,
+            "num_kv_heads": kv_heads,
+            "gqa_group": heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) else "?",
+            "head_dim": head_dim,
+            "q_len": q_len,
+            "kv_len": kv_len,
+            "scale": scale,
+            "has_mask": "mask" in m,
+            "merges_heads": merges_heads,
+        }
+
+    return [
+        RegionPattern(
+            "attention", root, annotations, check, lambda m, merges=merges: attrs(m, merges)
+        )
+        for root, merges in ((merged_t, True), (merged, True), (out, False))
+    ]
+
+
+@tvm.transform.module_pass(opt_level=0, name="AnnotateAttention")
+class AnnotateAttention:
+    """Group attention cores into ``edgetvm.attention`` composites.
+
+    Region: K/V group repeat (GQA), K transpose, QK^T, scale, mask add, softmax, PV and
+    the head merge. q/k/v come from the RoPE / KV-append / projection regions. On the NPU
+    this is one flash-style kernel that never writes the score matrix to DRAM and reads
+    each KV head once per group instead of materialising the repeat. Attributes:
+    ``num_heads``, ``num_kv_heads``, ``gqa_group``, ``head_dim``, ``q_len``, ``kv_len``,
+    ``scale``, ``has_mask``, ``merges_heads``.
+    """
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return fuse_regions(mod, attention_patterns())

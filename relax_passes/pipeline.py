@@ -1,0 +1,53 @@
+"""AnnotateLLMSemantics: the semantic annotation passes in dependency order."""
+
+from __future__ import annotations
+
+import tvm
+
+from .annotate_attention import AnnotateAttention
+from .annotate_attention_mask import AnnotateAttentionMask
+from .annotate_embedding import AnnotateEmbedding
+from .annotate_kv_append import AnnotateKVAppend
+from .annotate_layer_norm import AnnotateLayerNorm
+from .annotate_linear import AnnotateLinear
+from .annotate_lm_head import AnnotateLMHead
+from .annotate_mlp import AnnotateMLP
+from .annotate_residual import AnnotateResidual
+from .annotate_rms_norm import AnnotateRMSNorm
+from .annotate_rope import AnnotateRoPE
+from .remove_identity_casts import RemoveIdentityCasts
+
+
+def semantic_passes() -> list:
+    """The passes, in order. Why this order:
+
+    - identity casts first: they sit between the ops the patterns look for;
+    - norms, RoPE and KV append before attention: they are attention's inputs, and a
+      wildcard input may be a region output but never absorbs one;
+    - MLP and lm_head before linear: they contain projections and claim them first;
+    - residual last: it is recognised next to the block regions.
+    """
+    return [
+        RemoveIdentityCasts(),
+        AnnotateEmbedding(),
+        AnnotateAttentionMask(),
+        AnnotateRMSNorm(),
+        AnnotateLayerNorm(),
+        AnnotateRoPE(),
+        AnnotateKVAppend(),
+        AnnotateAttention(),
+        AnnotateMLP(),
+        AnnotateLMHead(),
+        AnnotateLinear(),
+        AnnotateResidual(),
+    ]
+
+
+def AnnotateLLMSemantics() -> tvm.transform.Pass:  # noqa: N802 (pass factory, TVM style)
+    """All semantic annotation passes as one ``tvm.transform.Sequential``.
+
+    The result keeps every op: recognised regions become composite functions
+    (``"Composite": "edgetvm.<kind>"``, ``Primitive``), the rest stays ordinary Relax,
+    and ``tvm.compile`` builds either unchanged.
+    """
+    return tvm.transform.Sequential(semantic_passes(), name="AnnotateLLMSemantics")

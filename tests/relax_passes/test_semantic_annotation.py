@@ -1,0 +1,274 @@
+"""Semantic annotation on the real tiny-Llama exports: counts, attributes, coverage,
+and numerics of the annotated module against onnxruntime."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+from edgetvm import inspect as edge_inspect
+from edgetvm.relax_passes import AnnotateLLMSemantics, semantic_report
+
+ort = pytest.importorskip("onnxruntime")
+
+REPO = Path(__file__).resolve().parents[2]
+_CANDIDATES = [REPO / "examples" / "models", REPO / "examples", REPO.parent / "shared" / "models"]
+MODELS = next((d for d in _CANDIDATES if (d / "llama_tiny_prefill_s8.onnx").is_file()), None)
+needs_models = pytest.mark.skipif(
+    MODELS is None, reason="tiny Llama test models not found in examples/ or ../shared/models"
+)
+try:
+    from edgetvm.frontend import import_onnx
+except ImportError:
+    import_onnx = None
+needs_frontend = pytest.mark.skipif(
+    import_onnx is None, reason="edgetvm.frontend.import_onnx not available yet"
+)
+
+TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+MAX_ABS_ERR = 1e-4  # measured ~1e-6 on logits of magnitude ~1
+
+# Whole-model counts. RoPE is one region per rotated tensor (q and k separately: 2 per
+# layer); "linear" includes the 3 projections inside each MLP region (7 per layer) and
+# excludes lm_head.
+PREFILL_COUNTS = {
+    "embedding": 1, "attention_mask": 1, "rms_norm": 5, "rope": 4, "attention": 2,
+    "mlp": 2, "linear": 14, "residual_add": 4, "lm_head": 1,
+}
+DECODE_COUNTS = {**PREFILL_COUNTS, "kv_append": 4}
+LAYER_COUNTS = {"rms_norm": 2, "linear": 7, "rope": 2, "attention": 1, "mlp": 1, "residual_add": 2}
+
+MODEL_CASES = {
+    # name: (file, expected counts, needs the edgetvm front end)
+    "prefill_s8": ("llama_tiny_prefill_s8.onnx", PREFILL_COUNTS, False),
+    "decode_p8": ("llama_tiny_decode_p8.onnx", DECODE_COUNTS, False),
+    "decode_p8_w4": ("llama_tiny_decode_p8_w4.onnx", DECODE_COUNTS, True),
+    "with_past": ("llama_tiny_with_past.onnx", DECODE_COUNTS, True),
+    "prefill_dynamic": ("llama_tiny_prefill_dynamic.onnx", PREFILL_COUNTS, True),
+}
+
+
+def _import(path) -> tvm.IRModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if import_onnx is not None:
+            return import_onnx(str(path)).mod
+        from tvm.relax.frontend.onnx import from_onnx
+
+        return from_onnx(onnx.load(str(path)), keep_params_in_input=False)
+
+
+_cache: dict = {}
+
+
+def annotated(name: str) -> tvm.IRModule:
+    if name not in _cache:
+        file, _, frontend = MODEL_CASES[name]
+        if frontend and import_onnx is None:
+            pytest.skip("edgetvm.frontend.import_onnx not available yet")
+        _cache[name] = AnnotateLLMSemantics()(_import(MODELS / file))
+    return _cache[name]
+
+
+def _feeds(session, seq_past=(8, 8)):
+    rng = np.random.default_rng(0)
+    seq, past = seq_past
+    sizes = {"batch_size": 1, "batch": 1, "sequence_length": seq, "seq": seq,
+             "past_sequence_length": past, "past_sequence_length + sequence_length": past + seq}
+    feeds = {}
+    for inp in session.get_inputs():
+        shape = [d if isinstance(d, int) else sizes[d] for d in inp.shape]
+        if inp.name == "input_ids":
+            feeds[inp.name] = rng.integers(0, 2048, shape).astype("int64")
+        elif inp.name == "attention_mask":
+            mask = np.ones(shape, "int64")
+            mask[..., 0] = 0  # one padded position exercises the mask path
+            feeds[inp.name] = mask
+        elif inp.name == "position_ids":
+            total = shape[-1]
+            feeds[inp.name] = np.arange(past, past + total, dtype="int64").reshape(shape)
+        else:
+            feeds[inp.name] = rng.standard_normal(shape).astype("float32")
+    return feeds
+
+
+def _max_abs_err(mod: tvm.IRModule, path) -> float:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = _feeds(session)
+    ref = session.run(None, feeds)
+    vm = relax.VirtualMachine(tvm.compile(mod, TARGET), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(feeds[i.name]) for i in session.get_inputs()])
+    outs = [out] if isinstance(out, tvm.runtime.Tensor) else list(out)
+    assert len(outs) == len(ref)
+    return max(float(np.abs(o.numpy() - r).max()) for o, r in zip(outs, ref))
+
+
+@needs_models
+@pytest.mark.parametrize("name", list(MODEL_CASES))
+def test_region_counts_and_full_coverage(name):
+    report = semantic_report(annotated(name))
+    assert report.counts() == MODEL_CASES[name][1]
+    assert report.coverage == pytest.approx(1.0, abs=1e-12)
+    layers = {row.label: row for row in report.layers}
+    assert sorted(layers) == ["0", "1", "head", "pre"]
+    for label in ("0", "1"):
+        for kind, n in LAYER_COUNTS.items():
+            assert layers[label].regions[kind] == n, (label, kind)
+        assert not layers[label].generic_ops
+    assert layers["head"].regions == {"rms_norm": 1, "lm_head": 1}
+
+
+@needs_models
+def test_region_attributes():
+    report = semantic_report(annotated("decode_p8"))
+    by_kind: dict = {}
+    for kind, attrs in report.region_attrs:
+        by_kind.setdefault(kind, []).append(attrs)
+    for attn in by_kind["attention"]:
+        assert (attn["num_heads"], attn["num_kv_heads"], attn["gqa_group"]) == ("8", "4", "2")
+        assert (attn["head_dim"], attn["q_len"], attn["kv_len"]) == ("32", "1", "9")
+        assert float(attn["scale"]) == pytest.approx(32 ** -0.5, rel=1e-6)
+    assert {a["eps"] for a in by_kind["rms_norm"]} == {repr(float(np.float32(1e-5)))}
+    assert sorted(a["num_heads"] for a in by_kind["rope"]) == ["4", "4", "8", "8"]
+    assert [a["computes_cos_sin"] for a in by_kind["rope"]].count("1") == 1
+    assert sorted(a["cache"] for a in by_kind["kv_append"]) == ["key", "key", "value", "value"]
+    assert all(a["past_len"] == "8" and a["total_len"] == "9" for a in by_kind["kv_append"])
+    mlp = by_kind["mlp"][0]
+    assert (mlp["activation"], mlp["intermediate_size"], mlp["num_linears"]) == ("silu", "688", "3")
+    assert by_kind["lm_head"][0]["vocab_size"] == "2048"
+
+
+@needs_models
+@needs_frontend
+def test_w4a16_attributes():
+    report = semantic_report(annotated("decode_p8_w4"))
+    linears = [a for k, a in report.region_attrs if k == "linear"]
+    assert len(linears) == 8 and all(a["weight_format"] == "w4a16" for a in linears)
+    assert {a["group_size"] for a in linears} == {"32"}
+    mlps = [a for k, a in report.region_attrs if k == "mlp"]
+    assert all(a[p + "weight_format"] == "w4a16" for a in mlps for p in ("gate_", "up_", "down_"))
+
+
+SHAPE_LOSS = pytest.mark.xfail(
+    strict=True,
+    reason="known gap: a region with a tuple output (the RoPE region exporting cos/sin) "
+    "loses its symbolic output shapes, so the KV-append region after it cannot be legalised",
+)
+
+
+@needs_models
+@pytest.mark.parametrize(
+    "name",
+    ["prefill_s8", "decode_p8", "decode_p8_w4", "prefill_dynamic",
+     pytest.param("with_past", marks=SHAPE_LOSS)],
+)
+def test_annotated_module_matches_onnxruntime(name):
+    err = _max_abs_err(annotated(name), MODELS / MODEL_CASES[name][0])
+    assert err < MAX_ABS_ERR, err
+
+
+# ------------------------------------------------------------------ generic path
+
+
+def _mlp_model(path: Path) -> None:
+    """A plain 2-layer MLP (Gemm-free MatMul + Add + Tanh): no LLM block."""
+    rng = np.random.default_rng(1)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.3).astype("float32"), "w1"),
+        numpy_helper.from_array(rng.standard_normal(32).astype("float32"), "b1"),
+        numpy_helper.from_array((rng.standard_normal((32, 8)) * 0.3).astype("float32"), "w2"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        helper.make_node("Tanh", ["h1"], ["h2"]),
+        helper.make_node("MatMul", ["h2", "w2"], ["h3"]),
+        helper.make_node("Mul", ["h3", "h3"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+def _elementwise_model(path: Path) -> None:
+    """Two activations multiplied and reduced: nothing to recognise at all."""
+    nodes = [
+        helper.make_node("MatMul", ["a", "b"], ["c"]),
+        helper.make_node("Sigmoid", ["c"], ["d"]),
+        helper.make_node("ReduceSum", ["d"], ["y"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "generic",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 8]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, [8, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], [],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+def test_unknown_architecture_goes_generic(tmp_path, capsys):
+    path = tmp_path / "generic.onnx"
+    _elementwise_model(path)
+    mod = AnnotateLLMSemantics()(_import(path))
+    report = semantic_report(mod)
+    assert report.counts() == {} and report.coverage == 0.0
+    # 2*4*4*8 (matmul) + 16 (sigmoid) + 16 (reduce-sum reads 16 elements)
+    assert report.total_flops == 256 + 16 + 16
+    assert edge_inspect.main([str(path)]) == 0
+    assert "generic: 100% of FLOPs not recognised" in capsys.readouterr().out
+    assert _max_abs_err(mod, path) < 1e-5
+
+
+def test_plain_mlp_partly_recognised_and_numerically_exact(tmp_path):
+    path = tmp_path / "mlp.onnx"
+    _mlp_model(path)
+    mod = AnnotateLLMSemantics()(_import(path))
+    report = semantic_report(mod)
+    assert report.counts() == {"linear": 2}  # no embedding, so no lm_head
+    (row,) = report.layers
+    assert row.label == "model" and row.generic_ops == {"tanh": 1, "multiply": 1}
+    linear_flops = 2 * 4 * 16 * 32 + 4 * 32 + 2 * 4 * 32 * 8  # bias add counts 1/element
+    assert report.recognised_flops == linear_flops
+    assert report.total_flops == linear_flops + 4 * 32 + 4 * 8
+    assert _max_abs_err(mod, path) < 1e-5
+
+
+# ------------------------------------------------------------------ CLI
+
+
+@needs_models
+def test_cli_prints_table_and_coverage(capsys):
+    assert edge_inspect.main([str(MODELS / "llama_tiny_decode_p8.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "coverage: 100.00 %" in out
+    assert "kv_appendx2" in out and "lm_headx1" in out
+
+
+@pytest.mark.parametrize("content", [None, b"not an onnx file"])
+def test_cli_bad_input_exits_2(tmp_path, capsys, content):
+    path = tmp_path / "bad.onnx"
+    if content is not None:
+        path.write_bytes(content)
+    assert edge_inspect.main([str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and "Traceback" not in captured.err
+
+
+def test_cli_bad_dim_exits_2(tmp_path, capsys):
+    path = tmp_path / "generic.onnx"
+    _elementwise_model(path)
+    assert edge_inspect.main([str(path), "--dim", "seq"]) == 2
+    assert "NAME=INT" in capsys.readouterr().err
