@@ -7,8 +7,9 @@ the vector unit and stored once per ``(i0, j0)``. Knobs (each a sampling instruc
 ``tile_m, tile_n, tile_k``
     tile sizes (any size; edge tiles are clipped);
 ``slots_a, slots_b``
-    TCM copies of the activation and weight tiles: 2 = double buffering, set per operand
-    so the weights can be double-buffered when two full tiles of everything do not fit;
+    TCM copies of the activation and weight tiles: 2 = double buffering (3 = one more
+    tile in flight), set per operand so the weights can be double-buffered when two full
+    tiles of everything do not fit;
 ``slots_c``
     copies of the accumulator/output tile (2 lets the store of tile j overlap tile j+1);
 ``a_at``
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from .common import TCM, annotate_op, knob, tile_candidates
 
+#: knob names in sampling order (see ``search.knob_space``)
 KNOBS = ("tile_m", "tile_n", "tile_k", "slots_a", "slots_b", "slots_c", "a_at")
 
 
@@ -36,7 +38,7 @@ def schedule_matmul(sch, *, tile_m=None, tile_n=None, tile_k=None, slots_a=None,
     tn = knob(sch, tile_n, tile_candidates(n_ext), "tile_n")
     tk = knob(sch, tile_k, k_cands, "tile_k")
     sa = knob(sch, slots_a, [1, 2], "slots_a")
-    sb = knob(sch, slots_b, [1, 2], "slots_b")
+    sb = knob(sch, slots_b, [1, 2, 3], "slots_b")
     sc = knob(sch, slots_c, [1, 2], "slots_c")
     at = knob(sch, a_at, [0, 1], "a_at")
     i0, i1 = sch.split(i, [None, tm])

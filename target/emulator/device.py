@@ -290,6 +290,7 @@ class _Run:
             queues[u].popleft()
             if not queues[u]:
                 del queues[u]
+                self.hazards.retire(u)
             if cause is not None and start > self.unit_free[u]:
                 kind = "dma" if cause.startswith("dma") else cause
                 self.stall[f"wait_{kind}"] += start - self.unit_free[u]
@@ -362,7 +363,11 @@ class _Run:
         view, dram_region = self._dram_window(i, dram_ref, rows)
         tcm_region = _tcm_region(tcm_ref, rows)
         if load:
-            self.hazards.check(i, step.unit, vc, (dram_region,), (tcm_region,), self.names)
+            # const tensors are never written (stores and host ops to them are refused), so
+            # reading one cannot race: not recorded, which keeps the race tables short
+            const = self.program.tensors[dram_ref.tensor].kind == "const"
+            self.hazards.check(i, step.unit, vc, () if const else (dram_region,),
+                               (tcm_region,), self.names)
         else:
             self.hazards.check(i, step.unit, vc, (tcm_region,), (dram_region,), self.names)
         F.dma(cmd, self.emu.tcm, view, rows)

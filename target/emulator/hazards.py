@@ -10,6 +10,7 @@ because of how long a DMA took is still refused.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -34,7 +35,8 @@ class Region:
 
     @cached_property
     def dense(self) -> bool:
-        return self.rows == 1 or self.stride == self.width
+        """No gaps between rows (rows closer than their width, e.g. a row stride of 0, overlap)."""
+        return self.rows == 1 or self.stride <= self.width
 
     def describe(self) -> str:
         where = "TCM" if self.space == "tcm" else f"DRAM tensor {self.space[5:]!r}"
@@ -44,8 +46,7 @@ class Region:
 def overlaps(a: Region, b: Region) -> bool:
     if a.space != b.space or a.end <= b.offset or b.end <= a.offset:
         return False
-    a_dense = a.rows == 1 or a.stride == a.width
-    b_dense = b.rows == 1 or b.stride == b.width
+    a_dense, b_dense = a.dense, b.dense
     if a_dense and b_dense:
         return True
     if b_dense:
@@ -76,12 +77,14 @@ class _Access:
 
 
 class HazardChecker:
-    """Vector clocks per unit plus a shadow table of recent accesses per address space.
+    """Vector clocks per unit plus a shadow log of accesses per address space and unit.
 
-    The table of a space maps ``(unit, write, region)`` to the latest such access: a newer
-    access of the same region by the same unit subsumes the older one (anything that races
-    the older one races the newer one). Accesses every unit that still has commands to
-    issue has already ordered itself after are dropped (:meth:`retire`, :meth:`_prune`).
+    A unit's log is in issue order, so its ``seq`` numbers increase: the accesses of unit
+    ``w`` that a command with clock ``vc`` is *not* ordered after are exactly the suffix
+    with ``seq > vc[w]`` (found by bisection), and only those are compared. Accesses of the
+    command's own unit are ordered by program order. Log prefixes that every unit that can
+    still issue commands has ordered itself after are dropped (:meth:`retire`,
+    :meth:`_prune`).
     """
 
     def __init__(self, units):
@@ -90,7 +93,7 @@ class HazardChecker:
         n = len(self.units)
         self.clock = {u: (0,) * n for u in self.units}
         self.seq = [0] * n
-        self.accesses: dict[str, dict] = {}
+        self.accesses: dict[str, dict] = {}   # space -> unit index -> ([seq], [_Access])
         self.retired: set = set()
         self._since_prune = 0
 
@@ -107,7 +110,7 @@ class HazardChecker:
 
     def retire(self, unit: str) -> None:
         """``unit`` issues no more commands before the next barrier: its clock no longer
-        holds accesses alive."""
+        keeps accesses alive."""
         self.retired.add(unit)
 
     def barrier(self) -> None:
@@ -118,58 +121,54 @@ class HazardChecker:
         self.accesses.clear()
         self.retired.clear()
 
+    def _conflict(self, region: Region, u: int, vc: tuple, writes_only: bool):
+        """The latest (in program order) unordered access of another unit overlapping
+        ``region`` (only writes if ``writes_only``), or None."""
+        table = self.accesses.get(region.space)
+        if not table:
+            return None
+        lo, hi = region.offset, region.end
+        found = None
+        for w, (seqs, log) in table.items():
+            if w == u:
+                continue
+            for k in range(bisect_right(seqs, vc[w]), len(log)):
+                acc = log[k]
+                g = acc.region
+                if (acc.write or not writes_only) and g.offset < hi and lo < g.end \
+                        and overlaps(region, g) and (found is None or acc.index > found.index):
+                    found = acc
+        return found
+
     def check(self, index: int, unit: str, vc: tuple, reads, writes, names) -> None:
         u = self.uidx[unit]
         for r in reads:
-            table = self.accesses.get(r.space)
-            if not table:
-                continue
-            lo, hi = r.offset, r.end
-            for acc in table.values():
-                g = acc.region
-                if acc.write and vc[acc.unit] < acc.seq and g.offset < hi and lo < g.end \
-                        and overlaps(r, g):
-                    raise InvalidProgramError(
-                        f"race: {names[index]} reads {r.describe()} written by command "
-                        f"{acc.index} ({names[acc.index]} on {self.units[acc.unit]}) without "
-                        f"waiting on an event that command signals", index)
+            acc = self._conflict(r, u, vc, True)
+            if acc is not None:
+                raise InvalidProgramError(
+                    f"race: {names[index]} reads {r.describe()} written by command "
+                    f"{acc.index} ({names[acc.index]} on {self.units[acc.unit]}) without "
+                    f"waiting on an event that command signals", index)
         for w in writes:
-            table = self.accesses.get(w.space)
-            if not table:
-                continue
-            lo, hi = w.offset, w.end
-            for acc in table.values():
-                g = acc.region
-                if vc[acc.unit] < acc.seq and g.offset < hi and lo < g.end and overlaps(w, g):
-                    what = "writes" if acc.write else "still reads"
-                    raise InvalidProgramError(
-                        f"race: {names[index]} overwrites {w.describe()} that command "
-                        f"{acc.index} ({names[acc.index]} on {self.units[acc.unit]}) {what} "
-                        f"without an event ordering the two", index)
+            acc = self._conflict(w, u, vc, False)
+            if acc is not None:
+                what = "writes" if acc.write else "still reads"
+                raise InvalidProgramError(
+                    f"race: {names[index]} overwrites {w.describe()} that command "
+                    f"{acc.index} ({names[acc.index]} on {self.units[acc.unit]}) {what} "
+                    f"without an event ordering the two", index)
         seq = vc[u]
-        for w in writes:
-            table = self.accesses.setdefault(w.space, {})
-            if w.dense and table:
-                # accesses ordered before this write and inside it can never race again
-                lo, hi = w.offset, w.end
-                dead = [k for k, a in table.items() if lo <= a.region.offset
-                        and a.region.end <= hi and vc[a.unit] >= a.seq]
-                for k in dead:
-                    del table[k]
-            key = (u, True, w)
-            table.pop(key, None)
-            table[key] = _Access(w, u, seq, index, True)
-        for r in reads:
-            table = self.accesses.setdefault(r.space, {})
-            key = (u, False, r)
-            table.pop(key, None)
-            table[key] = _Access(r, u, seq, index, False)
+        for regions, write in ((writes, True), (reads, False)):
+            for g in regions:
+                seqs, log = self.accesses.setdefault(g.space, {}).setdefault(u, ([], []))
+                seqs.append(seq)
+                log.append(_Access(g, u, seq, index, write))
         self._since_prune += 1
         if self._since_prune >= 64:
             self._prune()
 
     def _prune(self) -> None:
-        # An access every unit that can still issue has ordered itself after can never race
+        # Accesses every unit that can still issue has ordered itself after can never race
         # again: such a unit's future clocks are at least its current one.
         self._since_prune = 0
         live = [c for u, c in self.clock.items() if u not in self.retired]
@@ -178,6 +177,7 @@ class HazardChecker:
             return
         floor = [min(c[i] for c in live) for i in range(len(self.units))]
         for table in self.accesses.values():
-            dead = [k for k, a in table.items() if floor[a.unit] >= a.seq]
-            for k in dead:
-                del table[k]
+            for w, (seqs, log) in table.items():
+                k = bisect_right(seqs, floor[w])
+                if k:
+                    del seqs[:k], log[:k]

@@ -98,9 +98,9 @@ def _predicate(op):
 
 
 def _assign_units(ops, kinds, spec) -> dict:
-    """DMA channel per op: the schedule's ``npu.channel``, else loads rotate over the
-    channels (so one transfer's setup hides behind another's data) and stores use the
-    last channel (so a store waiting for compute does not block the next loads)."""
+    """DMA channel per op: the schedule's ``npu.channel``, else loads rotate over all the
+    channels (one transfer's setup hides behind another's data) and stores go to the last
+    channel."""
     units = {}
     n = spec.dma_channels
     load_ch = 0
@@ -110,14 +110,13 @@ def _assign_units(ops, kinds, spec) -> dict:
         elif op.kind == "vector":
             units[op.index] = "vector"
         else:
-            store = kinds.get(op.writes[0].buffer) == "param" or \
-                kinds.get(op.writes[0].buffer) == "dram_scratch"
+            store = kinds.get(op.writes[0].buffer) != "tcm"
             ch = op.attrs.get("channel")
             if ch is None:
                 if store:
                     ch = n - 1
                 else:
-                    ch = load_ch % (n - 1 if n > 1 else 1)
+                    ch = load_ch % n
                     load_ch += 1
             if not 0 <= int(ch) < n:
                 raise CandidateRejected(f"DMA channel {ch} does not exist ({spec.name} has {n})")
