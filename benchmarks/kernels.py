@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     spec = load_spec(args.spec)
-    trials = args.trials or (24 if args.quick else 48)
+    trials = args.trials or (64 if args.quick else 96)
     rng = np.random.default_rng(args.seed)
     rows = []
     hdr = (f"{'kernel':<12} {'model':<14} {'shape':<16} {'cycles':>10} {'roofline':>10} "

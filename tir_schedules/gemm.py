@@ -11,21 +11,25 @@ the vector unit and stored once per ``(i0, j0)``. Knobs (each a sampling instruc
     tile in flight), set per operand so the weights can be double-buffered when two full
     tiles of everything do not fit;
 ``slots_c``
-    copies of the accumulator/output tile (2 lets the store of tile j overlap tile j+1);
+    copies of the accumulator and output tiles (2 lets the cast and store of tile j
+    overlap the matmul of tile j+1);
 ``a_at``
     where the activation tile is loaded: 0 = per ``k0`` step, 1 = once per ``i0`` row block
-    (whole K resident: GEMV reads x once).
+    (whole K resident: GEMV reads x once);
+``dma_split``
+    1 keeps the last DMA channel for stores (prefetches never queue behind a store that
+    waits for compute), 0 spreads loads over every channel (more setups hidden).
 """
 from __future__ import annotations
 
 from .common import TCM, annotate_op, knob, tile_candidates
 
 #: knob names in sampling order (see ``search.knob_space``)
-KNOBS = ("tile_m", "tile_n", "tile_k", "slots_a", "slots_b", "slots_c", "a_at")
+KNOBS = ("tile_m", "tile_n", "tile_k", "slots_a", "slots_b", "slots_c", "a_at", "dma_split")
 
 
 def schedule_matmul(sch, *, tile_m=None, tile_n=None, tile_k=None, slots_a=None,
-                    slots_b=None, slots_c=None, a_at=None, group: int = 0):
+                    slots_b=None, slots_c=None, a_at=None, dma_split=None, group: int = 0):
     """Schedule a ``workloads.gemm_fp16`` / ``gemm_w4a16`` PrimFunc in place."""
     blk = sch.get_sblock("C")
     cast = sch.get_sblock("D")
@@ -41,6 +45,8 @@ def schedule_matmul(sch, *, tile_m=None, tile_n=None, tile_k=None, slots_a=None,
     sb = knob(sch, slots_b, [1, 2, 3], "slots_b")
     sc = knob(sch, slots_c, [1, 2], "slots_c")
     at = knob(sch, a_at, [0, 1], "a_at")
+    split = knob(sch, dma_split, [0, 1], "dma_split")
+    sch.annotate(sch.get_sblock("root"), "npu.dma_split", split)
     i0, i1 = sch.split(i, [None, tm])
     j0, j1 = sch.split(j, [None, tn])
     k0, k1 = sch.split(k, [None, tk])
@@ -61,7 +67,7 @@ def schedule_matmul(sch, *, tile_m=None, tile_n=None, tile_k=None, slots_a=None,
     annotate_op(sch, sch.get_loops(a_load)[1 if a_resident else 3], "dma", slots=sa)
     for ld in b_loads:
         annotate_op(sch, sch.get_loops(ld)[3], "dma", slots=sb)
-    annotate_op(sch, i1, "mma")
+    annotate_op(sch, i1, "mma", slots=sc)     # the fp32 accumulator rotates like the output
     annotate_op(sch, sch.get_loops(cast)[2], "vector:cast", slots=sc)
     annotate_op(sch, sch.get_loops(d_store)[2], "dma")
     return sch

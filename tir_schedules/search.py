@@ -106,11 +106,13 @@ def search(func, schedule_fn, knob_names, lower_fn, run_fn, trials: int = 32, se
         neighbours = [start[:i] + (v,) + start[i + 1:]
                       for i, cands in enumerate(space.values()) for v in cands]
         fresh = [p for p in neighbours if p not in seen]
-        if not fresh:
-            break
         rng.shuffle(fresh)
         for values in fresh[:trials - len(seen)]:
             measure(values)
         if tuple(result.best.knobs.values()) == start:
-            break            # no neighbour improved: a local optimum
+            # a local optimum: restart from a few fresh random points
+            unseen = [p for p in rng.sample(points, min(len(points), 4 * trials))
+                      if p not in seen][:max(1, trials // 8)]
+            for values in unseen[:trials - len(seen)]:
+                measure(values)
     return result

@@ -50,3 +50,246 @@ def gemm_w4a16(m: int, n: int, k: int, group: int = 32, zeros: bool = False):
     d = te.compute((m, n), lambda i, j: c[i, j].astype("float16"), name="D")
     args = [x, w, s] + ([z] if zeros else []) + [d]
     return te.create_prim_func(args)
+
+
+# -- row-wise ops (norms, activations, RoPE, softmax) as chains of NPU instructions -------
+#
+# Every te.compute below is ONE NPU instruction: its ``npu.op`` attribute (copied into the
+# block's annotations by ``te.create_prim_func``) names the ISA op the schedule annotates
+# its loop nest with. Row ``i`` of every result depends only on row ``i`` of the inputs, so
+# a chain of them can be tiled over rows as one kernel (``fused.py``). Intermediates are
+# fp32: the vector unit computes in fp32 and rounds to the destination dtype on store, so
+# only the last op of a piece writes fp16.
+
+F32 = "float32"
+
+
+def _op(op: str, **extra) -> dict:
+    return {"npu.op": op, **extra}
+
+
+def rms_norm_te(x, w, eps: float = 1e-5, name: str = "rms"):
+    """``x * rsqrt(mean(x^2) + eps) * w`` over the last axis of ``x`` (m, h); w (h,)."""
+    m, h = (int(s) for s in x.shape)
+    k = te.reduce_axis((0, h), name="k")
+    sq = te.compute((m, h), lambda i, j: x[i, j].astype(F32) * x[i, j].astype(F32),
+                    name=f"{name}_sq", attrs=_op("vector:mul"))
+    ss = te.compute((m,), lambda i: te.sum(sq[i, k], axis=k), name=f"{name}_ss",
+                    attrs=_op("vector:reduce_sum"))
+    mean = te.compute((m,), lambda i: ss[i] * tirx.const(1.0 / h, F32), name=f"{name}_mean",
+                      attrs=_op("vector:mul"))
+    rstd = te.compute((m,), lambda i: tirx.rsqrt(mean[i] + tirx.const(eps, F32)),
+                      name=f"{name}_rstd", attrs=_op("vector:rsqrt"))
+    y = te.compute((m, h), lambda i, j: x[i, j].astype(F32) * rstd[i], name=f"{name}_y",
+                   attrs=_op("vector:mul"))
+    return te.compute((m, h), lambda i, j: (y[i, j] * w[j].astype(F32)).astype(x.dtype),
+                      name=name, attrs=_op("vector:mul"))
+
+
+def layer_norm_te(x, w, b, eps: float = 1e-5, name: str = "ln"):
+    """``(x - mean) * rsqrt(var + eps) * w + b`` over the last axis of ``x`` (m, h)."""
+    m, h = (int(s) for s in x.shape)
+    k1 = te.reduce_axis((0, h), name="k")
+    k2 = te.reduce_axis((0, h), name="k")
+    inv_h = tirx.const(1.0 / h, F32)
+    s = te.compute((m,), lambda i: te.sum(x[i, k1].astype(F32), axis=k1), name=f"{name}_sum",
+                   attrs=_op("vector:reduce_sum"))
+    mean = te.compute((m,), lambda i: s[i] * inv_h, name=f"{name}_mean", attrs=_op("vector:mul"))
+    xc = te.compute((m, h), lambda i, j: x[i, j].astype(F32) - mean[i], name=f"{name}_xc",
+                    attrs=_op("vector:sub"))
+    sq = te.compute((m, h), lambda i, j: xc[i, j] * xc[i, j], name=f"{name}_sq",
+                    attrs=_op("vector:mul"))
+    ss = te.compute((m,), lambda i: te.sum(sq[i, k2], axis=k2), name=f"{name}_ss",
+                    attrs=_op("vector:reduce_sum"))
+    var = te.compute((m,), lambda i: ss[i] * inv_h, name=f"{name}_var", attrs=_op("vector:mul"))
+    rstd = te.compute((m,), lambda i: tirx.rsqrt(var[i] + tirx.const(eps, F32)),
+                      name=f"{name}_rstd", attrs=_op("vector:rsqrt"))
+    y = te.compute((m, h), lambda i, j: xc[i, j] * rstd[i], name=f"{name}_y",
+                   attrs=_op("vector:mul"))
+    yw = te.compute((m, h), lambda i, j: y[i, j] * w[j].astype(F32), name=f"{name}_yw",
+                    attrs=_op("vector:mul"))
+    return te.compute((m, h), lambda i, j: (yw[i, j] + b[j].astype(F32)).astype(x.dtype),
+                      name=name, attrs=_op("vector:add"))
+
+
+def rope_te(x, cos, sin, head_dim: int, name: str = "rope"):
+    """Rotate-half RoPE of every head of ``x`` (m, heads * head_dim); cos/sin (m, head_dim).
+
+    ``out = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]`` per head.
+    The block carries ``npu.head_dim``: the vector unit's rope op rotates the halves of the
+    columns it is given, so the schedule issues one op per head.
+    """
+    m, n = (int(s) for s in x.shape)
+    if n % head_dim or head_dim % 2:
+        raise ValueError(f"rope: {n} columns are not whole heads of (even) size {head_dim}")
+    half = head_dim // 2
+
+    def f(i, c):
+        d = tirx.floormod(c, head_dim)
+        xr = x[i, c - d + tirx.floormod(d + half, head_dim)].astype(F32)
+        rot = tirx.Select(d < half, -xr, xr)
+        return (x[i, c].astype(F32) * cos[i, d].astype(F32) +
+                rot * sin[i, d].astype(F32)).astype(x.dtype)
+    return te.compute((m, n), f, name=name, attrs=_op("vector:rope", **{"npu.head_dim": head_dim}))
+
+
+def silu_mul_te(g, u, name: str = "silu_mul"):
+    """``silu(g) * u`` (the gated MLP's activation); fp32 between the two ops."""
+    m, n = (int(s) for s in g.shape)
+    s = te.compute((m, n), lambda i, j: g[i, j].astype(F32) * tirx.sigmoid(g[i, j].astype(F32)),
+                   name=f"{name}_silu", attrs=_op("vector:silu"))
+    return te.compute((m, n), lambda i, j: (s[i, j] * u[i, j].astype(F32)).astype(g.dtype),
+                      name=name, attrs=_op("vector:mul"))
+
+
+def gelu_te(x, name: str = "gelu"):
+    """GELU, erf form: ``0.5 * x * (1 + erf(x / sqrt(2)))`` (one vector op, fp32 inside)."""
+    m, n = (int(s) for s in x.shape)
+
+    def f(i, j):
+        v = x[i, j].astype(F32)
+        return (tirx.const(0.5, F32) * v *
+                (tirx.const(1.0, F32) + tirx.erf(v * tirx.const(0.7071067811865476, F32))))
+    return te.compute((m, n), lambda i, j: f(i, j).astype(x.dtype), name=name,
+                      attrs=_op("vector:gelu"))
+
+
+def softmax_te(x, name: str = "softmax"):
+    """Softmax over the last axis of ``x`` (m, n): reduce_max, sub, exp, reduce_sum, div."""
+    m, n = (int(s) for s in x.shape)
+    k1 = te.reduce_axis((0, n), name="k")
+    k2 = te.reduce_axis((0, n), name="k")
+    mx = te.compute((m,), lambda i: te.max(x[i, k1].astype(F32), axis=k1), name=f"{name}_max",
+                    attrs=_op("vector:reduce_max"))
+    xs = te.compute((m, n), lambda i, j: x[i, j].astype(F32) - mx[i], name=f"{name}_sub",
+                    attrs=_op("vector:sub"))
+    e = te.compute((m, n), lambda i, j: tirx.exp(xs[i, j]), name=f"{name}_exp",
+                   attrs=_op("vector:exp"))
+    s = te.compute((m,), lambda i: te.sum(e[i, k2], axis=k2), name=f"{name}_sum",
+                   attrs=_op("vector:reduce_sum"))
+    return te.compute((m, n), lambda i, j: (e[i, j] / s[i]).astype(x.dtype), name=name,
+                      attrs=_op("vector:div"))
+
+
+def add_te(a, b, name: str = "add"):
+    """``a + b`` (the residual add)."""
+    m, n = (int(s) for s in a.shape)
+    return te.compute((m, n), lambda i, j: (a[i, j].astype(F32) + b[i, j].astype(F32))
+                      .astype(a.dtype), name=name, attrs=_op("vector:add"))
+
+
+def linear_w4a16_te(x, w, s, z=None, name: str = "linear"):
+    """``x @ dequant(w, s[, z])^T`` as one MMA reduction (fp32, block ``<name>_acc``) and a
+    cast to fp16 (block ``<name>``); the group size is ``k // s.shape[1]``."""
+    m, k = (int(v) for v in x.shape)
+    n = int(w.shape[0])
+    group = k // int(s.shape[1])
+    r = te.reduce_axis((0, k), name="k")
+    acc = te.compute((m, n), lambda i, j: te.sum(
+        x[i, r].astype(F32) * dequant_w4_expr(w, s, z, j, r, group), axis=r),
+        name=f"{name}_acc", attrs=_op("mma"))
+    return te.compute((m, n), lambda i, j: acc[i, j].astype(x.dtype), name=name,
+                      attrs=_op("vector:cast"))
+
+
+def linear_fp16_te(x, w, name: str = "linear"):
+    """``x @ w^T`` with fp16 ``w`` (n, k) (ONNX/torch Linear layout), fp32 accumulation."""
+    m, k = (int(v) for v in x.shape)
+    n = int(w.shape[0])
+    r = te.reduce_axis((0, k), name="k")
+    acc = te.compute((m, n), lambda i, j: te.sum(x[i, r].astype(F32) * w[j, r].astype(F32),
+                                                 axis=r), name=f"{name}_acc", attrs=_op("mma"))
+    return te.compute((m, n), lambda i, j: acc[i, j].astype(x.dtype), name=name,
+                      attrs=_op("vector:cast"))
+
+
+def embedding_te(ids, table, name: str = "embed"):
+    """``table[ids[i], :]``: a row gather whose DRAM offsets are runtime parameters."""
+    s = int(ids.shape[0])
+    h = int(table.shape[1])
+    return te.compute((s, h), lambda i, j: table[ids[i], j], name=name, attrs=_op("dma"))
+
+
+def row_prim_func(inputs, outputs):
+    """``te.create_prim_func`` plus the declared access of rope blocks.
+
+    A rope op reads its whole head row; TVM's region of the rotated read is a loose hull
+    that spills into the neighbouring heads. Declaring the element the block writes
+    (``x[i, c]``) instead makes the box of one op over a head exactly that head's row.
+    """
+    func = te.create_prim_func(list(inputs) + list(outputs))
+    return _declare_rope_reads(func)
+
+
+def _declare_rope_reads(func):
+    from tvm import ir, s_tir  # noqa: PLC0415  (only this rewrite needs them)
+
+    def rebuild(stmt):
+        if isinstance(stmt, tirx.For):
+            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, rebuild(stmt.body),
+                            stmt.thread_binding, stmt.annotations)
+        if isinstance(stmt, tirx.SeqStmt):
+            return tirx.SeqStmt([rebuild(s) for s in stmt.seq])
+        if isinstance(stmt, s_tir.SBlockRealize):
+            blk = stmt.block
+            reads = list(blk.reads)
+            if str(blk.annotations.get("npu.op", "")) == "vector:rope":
+                point = [ir.Range.from_min_extent(r.min, 1) for r in blk.writes[0].region]
+                reads[0] = tirx.BufferRegion(reads[0].source, point)
+            new = s_tir.SBlock(blk.iter_vars, reads, blk.writes, blk.name_hint, rebuild(blk.body),
+                               blk.init, blk.alloc_buffers, blk.match_buffers, blk.annotations)
+            return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, new)
+        return stmt
+    return func.with_body(rebuild(func.body))
+
+
+def rms_norm(m: int, h: int, eps: float = 1e-5):
+    """out (m, h) fp16 = RMSNorm(x (m, h) fp16) * w (h,) fp16."""
+    x = te.placeholder((m, h), "float16", name="x")
+    w = te.placeholder((h,), "float16", name="w")
+    return row_prim_func([x, w], [rms_norm_te(x, w, eps, name="out")])
+
+
+def layer_norm(m: int, h: int, eps: float = 1e-5):
+    """out (m, h) fp16 = LayerNorm(x) * w + b."""
+    x = te.placeholder((m, h), "float16", name="x")
+    w = te.placeholder((h,), "float16", name="w")
+    b = te.placeholder((h,), "float16", name="b")
+    return row_prim_func([x, w, b], [layer_norm_te(x, w, b, eps, name="out")])
+
+
+def rope(m: int, n_heads: int, head_dim: int):
+    """out (m, heads * head_dim) = RoPE(x) with cos/sin (m, head_dim) given as inputs."""
+    x = te.placeholder((m, n_heads * head_dim), "float16", name="x")
+    cos = te.placeholder((m, head_dim), "float16", name="cos")
+    sin = te.placeholder((m, head_dim), "float16", name="sin")
+    return row_prim_func([x, cos, sin], [rope_te(x, cos, sin, head_dim, name="out")])
+
+
+def silu_mul(m: int, n: int):
+    g = te.placeholder((m, n), "float16", name="g")
+    u = te.placeholder((m, n), "float16", name="u")
+    return row_prim_func([g, u], [silu_mul_te(g, u, name="out")])
+
+
+def gelu(m: int, n: int):
+    x = te.placeholder((m, n), "float16", name="x")
+    return row_prim_func([x], [gelu_te(x, name="out")])
+
+
+def softmax(m: int, n: int):
+    x = te.placeholder((m, n), "float16", name="x")
+    return row_prim_func([x], [softmax_te(x, name="out")])
+
+
+def residual_add(m: int, n: int):
+    a = te.placeholder((m, n), "float16", name="a")
+    b = te.placeholder((m, n), "float16", name="b")
+    return row_prim_func([a, b], [add_te(a, b, name="out")])
+
+
+def embedding(seq: int, vocab: int, hidden: int):
+    """out (seq, hidden) = E (vocab, hidden)[ids (seq,)]; ids are runtime parameters."""
+    ids = te.placeholder((seq,), "int32", name="ids")
+    table = te.placeholder((vocab, hidden), "float16", name="E")
+    return te.create_prim_func([ids, table, embedding_te(ids, table, name="out")])

@@ -12,7 +12,9 @@ into TCM-sized pieces:
 * ``"vector:<op>"``: an elementwise/reduction block on the vector unit (``isa.Vector``).
 
 Optional loop annotations: ``"npu.slots"`` (how many TCM copies the written buffer gets:
-2 = double buffering), ``"npu.channel"`` (DMA channel).
+2 = double buffering), ``"npu.channel"`` (DMA channel). Root block annotation
+``"npu.dma_split"``: 1 reserves the last DMA channel for stores (so a store waiting for
+compute never holds up a prefetch queued behind it), 0 lets loads use every channel.
 """
 from __future__ import annotations
 
@@ -113,6 +115,7 @@ class Interpreter:
         self.ops: list = []
         self.buffers: dict = {}   # buffer var -> "param" | "runtime" | "tcm" | "dram_scratch"
         self.scalars: dict = {}   # scalar PrimFunc parameter -> Affine runtime parameter
+        self.dma_split = False    # root block "npu.dma_split": stores get their own channel
         for p in func.params:          # TVM 0.27: buffer params are Vars of BufferType
             if isinstance(p.ty, BufferType):
                 self.buffers[p] = "runtime" if p.name in self.exprs.runtime else "param"
@@ -151,6 +154,8 @@ class Interpreter:
                 self._walk(s, env, path)
         elif isinstance(stmt, s_tir.SBlockRealize):
             block = stmt.block
+            if "npu.dma_split" in block.annotations:
+                self.dma_split = bool(_ann(block.annotations, "npu.dma_split"))
             for buf in block.alloc_buffers:
                 self.buffers[buf] = "tcm" if buf.scope() == TCM_SCOPE else "dram_scratch"
             for iv, val in zip(block.iter_vars, stmt.iter_values):

@@ -45,7 +45,7 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
         raise CandidateRejected("the schedule produced no NPU operation")
     kinds = interp.buffers
     tcm, tcm_bytes = plan_tcm(ops, kinds, spec)
-    units = _assign_units(ops, kinds, spec)
+    units = _assign_units(ops, kinds, spec, interp.dma_split)
     waits, signals = insert_events(ops, units, kinds, tcm)
 
     b = ProgramBuilder(name, spec)
@@ -97,12 +97,13 @@ def _predicate(op):
     return None if v is None else v[0] - v[1]
 
 
-def _assign_units(ops, kinds, spec) -> dict:
-    """DMA channel per op: the schedule's ``npu.channel``, else loads rotate over all the
+def _assign_units(ops, kinds, spec, dma_split: bool) -> dict:
+    """DMA channel per op: the schedule's ``npu.channel``, else loads rotate over the
     channels (one transfer's setup hides behind another's data) and stores go to the last
-    channel."""
+    channel; with ``dma_split`` loads keep off the store channel."""
     units = {}
     n = spec.dma_channels
+    load_channels = n - 1 if dma_split and n > 1 else n
     load_ch = 0
     for op in ops:
         if op.kind == "mma":
@@ -116,7 +117,7 @@ def _assign_units(ops, kinds, spec) -> dict:
                 if store:
                     ch = n - 1
                 else:
-                    ch = load_ch % n
+                    ch = load_ch % load_channels
                     load_ch += 1
             if not 0 <= int(ch) < n:
                 raise CandidateRejected(f"DMA channel {ch} does not exist ({spec.name} has {n})")

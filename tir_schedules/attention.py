@@ -1,0 +1,418 @@
+"""Attention templates over the paged KV cache: decode (one query token) and flash-style
+prefill (causal, whole prompt or one chunk at a runtime position).
+
+Both are one loop structure, written with explicit tile loops (:class:`TileKernel`):
+
+    for kv head h:                      # grouped-query: its G = Hq / Hkv query heads
+      [for q tile qi:]                  # prefill only
+        load Q (all G heads) once
+        for kv tile t:                  # K/V tiles streamed through `slots_kv` TCM copies
+          load K, V tile of head h, one DMA per page (page_table.<i> runtime offsets)
+          for each group of query rows (decode: the G heads; prefill: one head's q tile):
+            S  = Q @ K^T                           (matrix, fp32)
+            Sm = mask(S)                           (valid length / causal band)
+            t == 0:  m = rowmax(Sm); P = exp((Sm - m) * scale); l = rowsum(P); O = P @ V
+            t > 0 :  mt = rowmax(Sm); mn = max(m, mt); c = exp((m - mn) * scale); m = mn
+                     P = exp((Sm - mn) * scale); l = l * c + rowsum(P); O = O * c + P @ V
+        out = O / l (fp16), store
+
+The softmax scale is folded into the exponent (``exp(x * imm)``; the max of unscaled
+scores is the max of scaled ones since scale > 0). The first KV tile initialises the
+running max / sum / output instead of filling them with -inf / 0 (the NPU has no fill
+op), which is safe because tile 0 always holds a visible key (key 0 is visible to every
+query). K and V tiles are loaded once per KV head and used by all its query heads.
+
+Runtime lengths: every op of KV tile ``t`` carries a predicate so one static program
+serves any length up to its capacity: decode predicates on ``valid_len - t0 > 0`` (and
+the page DMAs move only ``valid_len - row0`` rows); chunked prefill on
+``pos + q_end - t0 > 0`` (KV tiles above the chunk's causal diagonal for this q tile
+are not loaded nor computed). Whole-prompt prefill (static length) does not emit those
+tiles at all. The masks use ``npu.mask_len`` (keys >= valid_len) and ``npu.mask_pos``
+(key > pos + query row).
+
+Knobs: decode ``tile_kv`` (tokens per KV tile: a multiple or divisor of the page),
+``slots_kv`` (1/2: double-buffered K/V tiles), ``slots_s`` (copies of the score tiles,
+2 lets the next head's QK^T overlap this head's softmax); prefill adds ``tile_q``.
+
+Layouts: decode ``q, out (Hq, D)``; prefill ``q, out (C, Hq, D)`` token-major (the
+projection's layout); inside, Q is re-laid out head-major in TCM by one vector copy per
+head (an MMA operand must be a 2-D tile and a DMA cannot permute axes).
+"""
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import s_tir, tirx
+
+from .common import TileKernel, apply_annotations, knob
+from .kv_cache import KVCacheLayout
+
+DECODE_KNOBS = ("tile_kv", "slots_kv", "slots_s")
+PREFILL_KNOBS = ("tile_q", "tile_kv", "slots_kv", "slots_s")
+
+#: lower_primfunc keyword arguments of the attention kernels
+ATTENTION_LOWERING = {"runtime": ["page_table"], "state": ["K_cache", "V_cache"]}
+
+_NEG_INF = float("-inf")
+
+
+def kv_tile_candidates(page_tokens: int, capacity: int) -> list:
+    """KV tile sizes: divisors of the page (>= 16 tokens) and multiples of it."""
+    c = [t for t in (16, 32) if t < page_tokens and page_tokens % t == 0]
+    c += [page_tokens * k for k in (1, 2, 4, 8, 16) if page_tokens * k <= max(capacity, 1)]
+    return c or [page_tokens]
+
+
+def _f32(x):
+    return tirx.Cast("float32", x)
+
+
+class _Attention:
+    """Emits the online-softmax attention loop nest (see the module docstring)."""
+
+    def __init__(self, kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels):
+        self.kb, self.lay = kb, layout
+        self.hq, self.hk, self.d = q_heads, layout.kv_heads, layout.head_dim
+        if q_heads % layout.kv_heads:
+            raise ValueError(f"{q_heads} query heads do not group over {layout.kv_heads}")
+        self.g = q_heads // layout.kv_heads
+        self.scale = float(scale if scale is not None else 1.0 / math.sqrt(self.d))
+        p = layout.page_tokens
+        if not (tile_kv % p == 0 or p % tile_kv == 0):
+            raise ValueError(f"tile_kv={tile_kv} must divide or be a multiple of the page ({p})")
+        self.tt = tile_kv
+        self.rt = min(tile_kv, p)                 # rows of one page DMA
+        self.ppt = max(1, tile_kv // p)           # page DMAs per tile
+        self.slots_kv, self.slots_s = slots_kv, slots_s
+        self.v_channel = channels - 1 if channels > 1 else None
+        self.k_channel = 0 if channels > 1 else None
+
+    # -- pieces ---------------------------------------------------------------------------
+    def declare_kv(self, cap):
+        kb = self.kb
+        self.cap = cap
+        self.kt = kb.tcm("K_tile", (self.hk, cap, self.d), "float16")
+        self.vt = kb.tcm("V_tile", (self.hk, cap, self.d), "float16")
+
+    def load_kv(self, h, t, klen, valid):
+        """The K and V tile ``t`` of head ``h``: one DMA per page of the tile."""
+        kb, lay, d = self.kb, self.lay, self.d
+        p, rt, tt = lay.page_tokens, self.rt, self.tt
+        with kb.loop(self.ppt, "pg") as pg:
+            for name, cache, tile, slots, ch in (("K_load", self.k_cache, self.kt,
+                                                   self.slots_kv, self.k_channel),
+                                                  ("V_load", self.v_cache, self.vt,
+                                                   self.slots_kv, self.v_channel)):
+                def iters(lv, pg=pg):
+                    row0 = t * tt + pg * rt
+                    return valid.iters(row0) + [("S", (0, self.cap), row0 + lv[0]),
+                                                ("S", (0, d), lv[1])]
+
+                def body(iv, cache=cache, tile=tile):
+                    tok, dd = iv[-2], iv[-1]
+                    src = cache[self.page_table[tok // p], h, tok % p, dd]
+                    return tile, (h, tok, dd), src, [src], None
+                kb.op(name, "dma", (rt, d), iters, body,
+                      where=lambda lv, pg=pg: t * tt + pg * rt + lv[0] < klen,
+                      ann={"npu.slots": slots, "npu.channel": ch, **valid.ann})
+
+    def step(self, h, t, rows, row_base, row_ok, ri, klen, valid, mask_ann):
+        """One KV tile for one group of query rows (``ri(row) -> leading indices``)."""
+        kb, d, tt, sc = self.kb, self.d, self.tt, self.scale
+        c0 = t * tt
+        S, Sm, S2, P = self.S, self.Sm, self.S2, self.P
+        m, mt, mn, dm, cr, l, l2, ls, O, Oc, PV = (self.m, self.mt, self.mn, self.dm, self.corr,
+                                                   self.l, self.l2, self.ls, self.O, self.Oc,
+                                                   self.PV)
+        va = valid.ann
+        rdom = (0, self.rows_total)
+
+        def rk(lv):        # (row, key) iteration
+            return valid.iters(c0) + [("S", rdom, row_base + lv[0]),
+                                      ("S", (0, self.cap), c0 + lv[1])]
+
+        def rk_where(lv):
+            return tirx.all(row_ok(lv[0]), c0 + lv[1] < klen)
+
+        def rred(lv):      # (row, reduced key)
+            return valid.iters(c0) + [("S", rdom, row_base + lv[0]),
+                                      ("R", (0, self.cap), c0 + lv[1])]
+
+        def r_only(lv):
+            return valid.iters(c0) + [("S", rdom, row_base + lv[0])]
+
+        def rd(lv):
+            return valid.iters(c0) + [("S", rdom, row_base + lv[0]), ("S", (0, d), lv[1])]
+
+        def rd_where(lv):
+            return row_ok(lv[0])
+
+        def elementwise(name, op, dst, value_fn, srcs, extents, iters, where, ann=va, dt=None):
+            def body(iv):
+                i = iv[-2] if len(extents) == 2 else iv[-1]
+                idx = (*ri(i), iv[-1]) if len(extents) == 2 else ri(i)
+                loads = [s[idx] if len(s.shape) == len(idx) else s[ri(i)] for s in srcs]
+                return dst, idx, value_fn(*loads), loads, None
+            kb.op(name, op, extents, iters, body, where=where, ann=ann)
+
+        def reduce(name, op, dst, src, init, combine):
+            def body(iv):
+                i, j = iv[-2], iv[-1]
+                x = src[(*ri(i), j)]
+                return dst, ri(i), combine(dst[ri(i)], _f32(x)), [x], tirx.const(init, "float32")
+            kb.op(name, op, (rows, tt), rred, body, where=rk_where, ann=va)
+
+        # S = Q @ K^T
+        def qk(iv):
+            i, j, k = iv[-3], iv[-2], iv[-1]
+            a, b = self.Q[(*ri(i), k)], self.kt[h, j, k]
+            return S, (*ri(i), j), S[(*ri(i), j)] + _f32(a) * _f32(b), [a, b], \
+                tirx.const(0.0, "float32")
+        kb.op("QK", "mma", (rows, tt, d),
+              lambda lv: rk(lv) + [("R", (0, d), lv[2])], qk, where=rk_where,
+              ann={"npu.slots": self.slots_s, **va})
+        elementwise("mask", "vector:mask", Sm, lambda x: x, [S], (rows, tt), rk, rk_where,
+                    ann={**va, **mask_ann})
+        first = kb.when(t == 0)
+        with first:
+            reduce("rowmax0", "vector:reduce_max", m, Sm, _NEG_INF, tirx.Max)
+            elementwise("sub0", "vector:sub", S2, lambda x, y: x - y, [Sm, m], (rows, tt),
+                        rk, rk_where)
+            elementwise("exp0", "vector:exp", P,
+                        lambda x: tirx.Cast("float16", tirx.exp(x * tirx.const(sc, "float32"))),
+                        [S2], (rows, tt), rk, rk_where)
+            reduce("rowsum0", "vector:reduce_sum", l, P, 0.0, lambda a, b: a + b)
+            self._pv("PV0", O, h, c0, rows, rk_where, ri, row_base, rdom, valid, local=False)
+        with kb.when(t > 0):
+            reduce("rowmax", "vector:reduce_max", mt, Sm, _NEG_INF, tirx.Max)
+            row1 = (rows,)
+            elementwise("max", "vector:max", mn, tirx.Max, [m, mt], row1, r_only,
+                        lambda lv: row_ok(lv[0]))
+            elementwise("dmax", "vector:sub", dm, lambda x, y: x - y, [m, mn], row1, r_only,
+                        lambda lv: row_ok(lv[0]))
+            elementwise("corr", "vector:exp", cr,
+                        lambda x: tirx.exp(x * tirx.const(sc, "float32")), [dm], row1, r_only,
+                        lambda lv: row_ok(lv[0]))
+            elementwise("mcopy", "vector:copy", m, lambda x: x, [mn], row1, r_only,
+                        lambda lv: row_ok(lv[0]))
+            elementwise("sub", "vector:sub", S2, lambda x, y: x - y, [Sm, mn], (rows, tt),
+                        rk, rk_where)
+            elementwise("exp", "vector:exp", P,
+                        lambda x: tirx.Cast("float16", tirx.exp(x * tirx.const(sc, "float32"))),
+                        [S2], (rows, tt), rk, rk_where)
+            reduce("rowsum", "vector:reduce_sum", ls, P, 0.0, lambda a, b: a + b)
+            elementwise("lscale", "vector:mul", l2, lambda x, y: x * y, [l, cr], row1, r_only,
+                        lambda lv: row_ok(lv[0]))
+            elementwise("lacc", "vector:add", l, lambda x, y: x + y, [l2, ls], row1, r_only,
+                        lambda lv: row_ok(lv[0]))
+            elementwise("oscale", "vector:mul", Oc, lambda x, y: x * y, [O, cr], (rows, d),
+                        rd, rd_where)
+            self._pv("PV", PV, h, c0, rows, rk_where, ri, row_base, rdom, valid, local=True)
+            elementwise("oacc", "vector:add", O, lambda x, y: x + y, [Oc, PV], (rows, d),
+                        rd, rd_where)
+
+    def _pv(self, name, out, h, c0, rows, rk_where, ri, row_base, rdom, valid, local):
+        """out = P @ V over the tile; ``local`` binds the reduction to the tile (so the
+        MMA does not accumulate into ``out``: tiles after the first write a fresh PV)."""
+        d, tt = self.d, self.tt
+
+        def iters(lv):
+            red = ("R", (0, tt), lv[2]) if local else ("R", (0, self.cap), c0 + lv[2])
+            return valid.iters(c0) + [("S", rdom, row_base + lv[0]), ("S", (0, d), lv[1]), red]
+
+        def body(iv):
+            i, dd, j = iv[-3], iv[-2], iv[-1]
+            key = c0 + j if local else j
+            a, b = self.P[(*ri(i), key)], self.vt[h, key, dd]
+            return out, (*ri(i), dd), out[(*ri(i), dd)] + _f32(a) * _f32(b), [a, b], \
+                tirx.const(0.0, "float32")
+        self.kb.op(name, "mma", (rows, d, tt), iters, body,
+                   where=lambda lv: rk_where([lv[0], lv[2]]), ann=valid.ann)
+
+    def declare_state(self, lead, tt_cap):
+        """Per-row running state and per-tile scratch, with leading dims ``lead``."""
+        kb = self.kb
+        self.S = kb.tcm("S", (*lead, tt_cap), "float32")
+        self.Sm = kb.tcm("S_masked", (*lead, tt_cap), "float32")
+        self.S2 = kb.tcm("S_shifted", (*lead, tt_cap), "float32")
+        self.P = kb.tcm("P", (*lead, tt_cap), "float16")
+        for name in ("m", "mt", "mn", "dm", "corr", "l", "l2", "ls"):
+            setattr(self, name, kb.tcm(f"row_{name}", lead, "float32"))
+        self.O = kb.tcm("O", (*lead, self.d), "float32")
+        self.Oc = kb.tcm("O_scaled", (*lead, self.d), "float32")
+        self.PV = kb.tcm("PV", (*lead, self.d), "float32")
+
+
+class _Validity:
+    """Predicate of a KV tile's ops: ``param - (tile_start - offset) > 0`` (or none)."""
+
+    def __init__(self, param=None, offset=0):
+        self.param, self.offset = param, offset
+
+    def iters(self, start):
+        if self.param is None:
+            return []
+        return [("S", (-(1 << 20), 1 << 20), start - self.offset)]
+
+    @property
+    def ann(self):
+        if self.param is None:
+            return {}
+        return {"npu.valid_len": self.param, "npu.valid_axis": 0}
+
+
+def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, tile_kv: int,
+                     slots_kv: int = 2, slots_s: int = 1, scale=None, channels: int = 2):
+    """Decode attention as a :class:`TileKernel`: ``q (Hq, D)`` attends to the first
+    ``valid_len`` (runtime) tokens of the paged cache through ``page_table (max_pages,)``."""
+    d = layout.head_dim
+    cap = max_pages * layout.page_tokens
+    with TileKernel("decode_attention") as kb:
+        a = _Attention(kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels)
+        hq, g, hk = a.hq, a.g, a.hk
+        q = kb.buffer("q", (hq, d), "float16")
+        a.k_cache = kb.buffer("K_cache", layout.shape, "float16")
+        a.v_cache = kb.buffer("V_cache", layout.shape, "float16")
+        a.page_table = kb.buffer("page_table", (max_pages,), "int32")
+        kb.scalar("valid_len")
+        out = kb.buffer("out", (hq, d), "float16")
+        kb.begin_body()
+        a.Q = kb.tcm("Q", (hq, d), "float16")
+        a.declare_kv(cap)
+        a.declare_state((hq,), cap)
+        o16 = kb.tcm("O16", (hq, d), "float16")
+        a.rows_total = g
+        valid = _Validity("valid_len", 0)
+        n_tiles = -(-cap // a.tt)
+        with kb.loop(hk, "h") as h:
+            def ri(i, h=h):
+                return (h * g + i,)
+            gd = lambda lv: [("S", (0, g), lv[0]), ("S", (0, d), lv[1])]  # noqa: E731
+            kb.op("Q_load", "dma", (g, d), gd,
+                  lambda iv: (a.Q, (h * g + iv[0], iv[1]), q[h * g + iv[0], iv[1]],
+                              [q[h * g + iv[0], iv[1]]], None))
+            with kb.loop(n_tiles, "t") as t:
+                a.load_kv(h, t, cap, valid)
+                a.step(h, t, g, 0, lambda r: tirx.const(True, "bool"), ri, cap, valid,
+                       {"npu.mask_len": "valid_len"})
+            kb.op("normalize", "vector:div", (g, d), gd,
+                  lambda iv: (o16, (h * g + iv[0], iv[1]),
+                              tirx.Cast("float16", a.O[h * g + iv[0], iv[1]] /
+                                        a.l[h * g + iv[0]]),
+                              [a.O[h * g + iv[0], iv[1]], a.l[h * g + iv[0]]], None))
+            kb.op("O_store", "dma", (g, d), gd,
+                  lambda iv: (out, (h * g + iv[0], iv[1]), o16[h * g + iv[0], iv[1]],
+                              [o16[h * g + iv[0], iv[1]]], None))
+    return kb
+
+
+def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_q: int,
+                      tile_kv: int, slots_kv: int = 2, slots_s: int = 1, chunked: bool = False,
+                      max_pages: int | None = None, scale=None, channels: int = 2):
+    """Causal prefill attention as a :class:`TileKernel`.
+
+    ``q, out (tokens, Hq, D)``. Whole prompt (``chunked=False``): the keys are the first
+    ``tokens`` tokens of the cache, KV tiles above the diagonal are not emitted.
+    ``chunked=True``: the queries are positions ``pos .. pos + tokens`` (runtime ``pos``),
+    the keys the first ``valid_len`` (runtime) tokens of a cache of ``max_pages`` pages.
+    """
+    d, p = layout.head_dim, layout.page_tokens
+    c = tokens
+    if max_pages is None:
+        max_pages = -(-c // p)
+    cap = max_pages * p
+    with TileKernel("prefill_attention") as kb:
+        a = _Attention(kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels)
+        hq, g, hk = a.hq, a.g, a.hk
+        tq = min(tile_q, c)
+        q = kb.buffer("q", (c, hq, d), "float16")
+        a.k_cache = kb.buffer("K_cache", layout.shape, "float16")
+        a.v_cache = kb.buffer("V_cache", layout.shape, "float16")
+        a.page_table = kb.buffer("page_table", (max_pages,), "int32")
+        if chunked:
+            kb.scalar("pos")
+            kb.scalar("valid_len")
+        out = kb.buffer("out", (c, hq, d), "float16")
+        kb.begin_body()
+        q_raw = kb.tcm("Q_raw", (c, hq, d), "float16")
+        a.Q = kb.tcm("Q", (hq, c, d), "float16")
+        kv_len = cap if chunked else c
+        a.declare_kv(cap)
+        a.declare_state((hq, c), cap)
+        o16 = kb.tcm("O16", (c, hq, d), "float16")
+        a.rows_total = c
+        n_qt = -(-c // tq)
+        with kb.loop(hk, "h") as h, kb.loop(n_qt, "qi") as qi:
+            q0 = qi * tq
+            q_end = tirx.min(q0 + tq, c)
+
+            def row_ok(r):
+                return q0 + r < c
+            tgd = lambda lv: [("S", (0, c), q0 + lv[0]), ("S", (0, g), lv[1]),  # noqa: E731
+                              ("S", (0, d), lv[2])]
+            kb.op("Q_load", "dma", (tq, g, d), tgd,
+                  lambda iv: (q_raw, (iv[0], h * g + iv[1], iv[2]),
+                              q[iv[0], h * g + iv[1], iv[2]],
+                              [q[iv[0], h * g + iv[1], iv[2]]], None),
+                  where=lambda lv: row_ok(lv[0]))
+            if chunked:
+                valid = _Validity("pos", q_end)       # tile start < pos + q_end
+                n_kt = -(-cap // a.tt)
+                mask_ann = {"npu.mask_len": "valid_len", "npu.mask_pos": "pos"}
+            else:
+                valid = _Validity()
+                n_kt = tirx.floordiv(q_end + a.tt - 1, a.tt)   # no tile above the diagonal
+                mask_ann = {"npu.mask_pos": ""}
+            with kb.loop(g, "e") as e:
+                kb.op("Q_head", "vector:copy", (tq, d),
+                      lambda lv: [("S", (0, c), q0 + lv[0]), ("S", (0, d), lv[1])],
+                      lambda iv: (a.Q, (h * g + e, iv[0], iv[1]), q_raw[iv[0], h * g + e, iv[1]],
+                                  [q_raw[iv[0], h * g + e, iv[1]]], None),
+                      where=lambda lv: row_ok(lv[0]))
+            with kb.loop(n_kt, "t") as t:
+                a.load_kv(h, t, kv_len, valid)
+                with kb.loop(g, "e") as e:
+                    a.step(h, t, tq, q0, row_ok, lambda i, e=e: (h * g + e, i), kv_len, valid,
+                           mask_ann)
+            with kb.loop(g, "e") as e:
+                kb.op("normalize", "vector:div", (tq, d),
+                      lambda lv: [("S", (0, c), q0 + lv[0]), ("S", (0, d), lv[1])],
+                      lambda iv: (o16, (iv[0], h * g + e, iv[1]),
+                                  tirx.Cast("float16", a.O[h * g + e, iv[0], iv[1]] /
+                                            a.l[h * g + e, iv[0]]),
+                                  [a.O[h * g + e, iv[0], iv[1]], a.l[h * g + e, iv[0]]], None),
+                      where=lambda lv: row_ok(lv[0]))
+            kb.op("O_store", "dma", (tq, g, d), tgd,
+                  lambda iv: (out, (iv[0], h * g + iv[1], iv[2]),
+                              o16[iv[0], h * g + iv[1], iv[2]],
+                              [o16[iv[0], h * g + iv[1], iv[2]]], None),
+                  where=lambda lv: row_ok(lv[0]))
+    return kb
+
+
+def _schedule(kb, knobs):
+    sch = s_tir.Schedule(tvm.IRModule({"main": kb.func()}))
+    for name, value in knobs:
+        knob(sch, value, [value], name)        # recorded in the trace: replay re-applies it
+    apply_annotations(sch, kb.ops)
+    return sch
+
+
+def schedule_decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, spec, *,
+                              tile_kv: int, slots_kv: int = 2, slots_s: int = 1, scale=None):
+    """The scheduled decode attention kernel; lower with ``**ATTENTION_LOWERING``."""
+    kb = decode_attention(layout, q_heads, max_pages, tile_kv=tile_kv, slots_kv=slots_kv,
+                          slots_s=slots_s, scale=scale, channels=spec.dma_channels)
+    return _schedule(kb, (("tile_kv", tile_kv), ("slots_kv", slots_kv), ("slots_s", slots_s)))
+
+
+def schedule_prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, spec, *,
+                               tile_q: int, tile_kv: int, slots_kv: int = 2, slots_s: int = 1,
+                               chunked: bool = False, max_pages: int | None = None, scale=None):
+    """The scheduled prefill attention kernel; lower with ``**ATTENTION_LOWERING``."""
+    kb = prefill_attention(layout, q_heads, tokens, tile_q=tile_q, tile_kv=tile_kv,
+                           slots_kv=slots_kv, slots_s=slots_s, chunked=chunked,
+                           max_pages=max_pages, scale=scale, channels=spec.dma_channels)
+    return _schedule(kb, (("tile_q", tile_q), ("tile_kv", tile_kv), ("slots_kv", slots_kv),
+                          ("slots_s", slots_s)))
