@@ -1,0 +1,152 @@
+"""NPU kernels for the recognised regions of an LLM graph.
+
+Each region kind maps to a fusion cluster (``tir_schedules/fused.py``: a chain of ops
+compiled into ONE kernel with its intermediates in TCM), scheduled with untuned default
+knobs, lowered to a command-stream program and run on the emulated NPU. Weights are packed
+once, at compile time (fp16, or W4A16 when the graph carries 4-bit weights); activations
+cross region boundaries in fp16, as they sit in the NPU's DRAM.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tvm
+from tvm import s_tir
+
+from edgetvm.errors import CandidateRejected, EdgeTVMError
+from edgetvm.tir_schedules.fused import FusionCluster, Stage, lower_cluster, schedule_cluster
+
+F16 = "float16"
+
+
+def _fit_knobs(m: int, matmuls: dict) -> list:
+    """Default (untuned) knob sets, largest tiles first; the first that fits TCM is used."""
+    out = []
+    for tm, scale in ((min(m, 32), 1), (min(m, 16), 2), (min(m, 8), 4), (min(m, 4), 8)):
+        mm = {}
+        for stage, (n, k, group) in matmuls.items():
+            tk = k if k <= 2048 else 1024
+            tk = max(group or 2, tk // scale)
+            if group:
+                tk -= tk % group
+            mm[stage] = dict(tile_n=max(16, min(n, 256 // scale)), tile_k=min(k, tk),
+                             slots_w=2, slots_c=2)
+        out.append(dict(tile_m=tm, slots_in=2, slots_out=2, dma_split=1, matmul=mm))
+    return out
+
+
+@dataclasses.dataclass
+class Kernel:
+    """A lowered program plus how to bind a region's arrays to it."""
+
+    program: object
+    inputs: tuple          # program input names, in the order of the region's runtime args
+    output: str
+
+
+class KernelCache:
+    """Programs by (cluster structure, shapes): every layer's linear of the same shape
+    shares one lowering; its weights are swapped in as the program's const tensors."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self._programs: dict = {}
+        self.lowered = 0
+
+    def build(self, cluster: FusionCluster, consts: dict, matmuls: dict, m: int):
+        key = (repr(cluster.tensors), repr(cluster.stages), cluster.outputs)
+        base = self._programs.get(key)
+        if base is None:
+            zeros = {n: np.zeros(cluster.tensors[n][0], cluster.tensors[n][1])
+                     for n in cluster.consts}
+            err = None
+            for knobs in _fit_knobs(m, matmuls):
+                sch = s_tir.Schedule(tvm.IRModule({"main": cluster.prim_func()}))
+                try:
+                    schedule_cluster(sch, **knobs)
+                    base = lower_cluster(cluster, sch, self.spec, zeros)
+                    break
+                except CandidateRejected as e:
+                    err = e
+            if base is None:
+                raise EdgeTVMError(f"no default schedule of {cluster.name} fits "
+                                   f"{self.spec.name}: {err}")
+            self._programs[key] = base
+            self.lowered += 1
+        tensors = dict(base.tensors)
+        for n, arr in consts.items():
+            t = tensors[n]
+            tensors[n] = dataclasses.replace(t, data=np.ascontiguousarray(arr, dtype=t.dtype))
+        return dataclasses.replace(base, tensors=tensors)
+
+
+def _rows(shape) -> int:
+    return int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+
+
+def _linear_weight(args, attrs, first: int):
+    """(kind, tensors dict, consts dict, n) of the linear whose weight starts at args[first]."""
+    fmt = attrs.get("edgetvm.weight_format", "float32")
+    if fmt == "w4a16":
+        raise EdgeTVMError("W4A16 linears of imported MatMulNBits graphs are not offloaded yet")
+    w = np.asarray(args[first], dtype=np.float32)
+    k, n = w.shape
+    return n, k, {"w": np.ascontiguousarray(w.T.astype(F16))}
+
+
+def build_cluster(region, shapes: list):
+    """FusionCluster + consts + matmul shapes for a region, given its runtime arg shapes.
+
+    Only called for regions :func:`offloadable` accepted."""
+    kind, a, attrs = region.kind, region.args, region.attrs
+    x_shape = shapes[0]
+    m, h = _rows(x_shape), int(x_shape[-1])
+    t = {"x": ((m, h), F16)}
+    if kind in ("linear", "lm_head"):
+        n, k, consts = _linear_weight(a, attrs, 1)
+        t["w"] = ((n, k), F16)
+        stages = [Stage("linear_fp16", ("x", "w"), "y")]
+        return FusionCluster(kind, t, stages, ("y",), ("w",)), consts, {"y": (n, k, 0)}, m
+    if kind == "mlp":
+        consts = {}
+        for name, idx in (("wg", 1), ("wu", 2), ("wd", 3)):
+            w = np.asarray(a[idx], dtype=np.float32)
+            consts[name] = np.ascontiguousarray(w.T.astype(F16))
+            t[name] = (consts[name].shape, F16)
+        inter = consts["wg"].shape[0]
+        stages = [Stage("linear_fp16", ("x", "wg"), "g"), Stage("linear_fp16", ("x", "wu"), "u"),
+                  Stage("silu_mul", ("g", "u"), "a"), Stage("linear_fp16", ("a", "wd"), "y")]
+        mm = {"g": (inter, h, 0), "u": (inter, h, 0), "y": (h, inter, 0)}
+        return FusionCluster("mlp", t, stages, ("y",), ("wg", "wu", "wd")), consts, mm, m
+    if kind == "rms_norm":
+        eps = float(attrs.get("edgetvm.eps", "1e-5"))
+        w = a[-1] if attrs.get("edgetvm.has_weight") == "1" else None
+        w = np.ones(h, F16) if w is None or np.ndim(w) == 0 else np.asarray(w, F16).reshape(h)
+        t["nw"] = ((h,), F16)
+        stages = [Stage("rms_norm", ("x", "nw"), "y", {"eps": eps})]
+        return FusionCluster("rms_norm", t, stages, ("y",), ("nw",)), {"nw": w}, {}, m
+    if kind == "residual_add":
+        t["x2"] = ((m, h), F16)
+        return FusionCluster("residual_add", t, [Stage("add", ("x", "x2"), "y")], ("y",), ()), \
+            {}, {}, m
+    raise EdgeTVMError(f"no NPU kernel for region kind {kind!r}")
+
+
+def offloadable(region) -> bool:
+    """Can this region run on the NPU? Decided from kind, attributes and constants only
+    (shapes may be symbolic); everything else stays on the host."""
+    kind, a, attrs = region.kind, region.args, region.attrs
+    if kind in ("linear", "lm_head"):
+        return attrs.get("edgetvm.weight_format", "float32") in ("float32", "float16") and \
+            len(a) == 2 and a[1] is not None and np.ndim(a[1]) == 2
+    if kind == "mlp":
+        return attrs.get("edgetvm.gated") == "1" and attrs.get("edgetvm.activation") == "silu" \
+            and len(a) == 4 and all(v is not None and np.ndim(v) == 2 for v in a[1:]) \
+            and "w4a16" not in {attrs.get(f"edgetvm.{p}_weight_format") for p in
+                                ("gate", "up", "down")}
+    if kind == "rms_norm":
+        return len(region.runtime_positions) == 1
+    if kind == "residual_add":
+        return len(region.runtime_positions) == 2
+    return False

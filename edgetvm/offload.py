@@ -1,0 +1,88 @@
+"""OffloadToNPU: every recognised region whose kind has an NPU kernel becomes a call into
+the NPU (the emulator), the rest of the graph stays on the host.
+
+After ``AnnotateLLMSemantics`` each recognised region is a composite function
+(``"Composite": "edgetvm.<kind>"``). This pass replaces a call to such a function by
+``R.call_pure_packed("edgetvm.npu.<session>.<n>", *runtime_args)``; the packed function
+(registered by :class:`~edgetvm.session.NPUSession`) runs the region's NPU kernels on the
+emulator. The region's constant arguments (weights, eps, ...) do not travel at run time:
+the region keeps them, packed once for the NPU. Regions without an NPU kernel, and the
+glue between regions (reshapes, shape arithmetic), are compiled for the host CPU by the
+ordinary ``tvm.compile`` pipeline: the host-fallback path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+Constant = tvm.ir.expr.Constant
+
+
+@dataclass
+class Region:
+    """One offloaded region: its kind, attributes and the composite's full argument list
+    (constants as numpy arrays, runtime arguments as ``None`` placeholders)."""
+
+    index: int
+    kind: str
+    attrs: dict
+    args: list                      # np.ndarray for constants, None for runtime args
+    param_names: list
+    func: relax.Function
+    symbol: str
+    runtime_positions: list = field(default_factory=list)
+
+
+def _const_value(e):
+    if isinstance(e, Constant):
+        return e.value.numpy()
+    return None
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod, accept, prefix):
+        super().__init__(mod)
+        self.mod_ = mod
+        self.accept = accept
+        self.prefix = prefix
+        self.regions: list = []
+
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        if not isinstance(call.op, relax.GlobalVar):
+            return call
+        func = self.mod_[call.op]
+        if not isinstance(func, relax.Function) or func.attrs is None \
+                or "Composite" not in func.attrs:
+            return call
+        kind = str(func.attrs["Composite"]).removeprefix("edgetvm.")
+        args, runtime, pos = [], [], []
+        for i, a in enumerate(call.args):
+            v = _const_value(a)
+            args.append(v)
+            if v is None:
+                runtime.append(a)
+                pos.append(i)
+        region = Region(len(self.regions), kind,
+                        {k: str(v) for k, v in func.attrs.items() if k.startswith("edgetvm.")},
+                        args, [p.name for p in func.params], func,
+                        f"{self.prefix}.{len(self.regions)}", pos)
+        if not self.accept(region):
+            return call
+        self.regions.append(region)
+        return relax.call_pure_packed(region.symbol, *runtime, ty_args=call.ty)
+
+
+def offload_regions(mod: tvm.IRModule, accept, prefix: str):
+    """Rewrite the regions ``accept(region)`` takes; returns (new module, [Region])."""
+    rw = _Rewriter(mod, accept, prefix)
+    main = rw.visit_expr(mod["main"])
+    mod = mod.clone() if hasattr(mod, "clone") else mod
+    mod["main"] = main
+    mod = relax.transform.DeadCodeElimination(["main"])(mod)
+    return mod, rw.regions
