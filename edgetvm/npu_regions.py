@@ -130,6 +130,12 @@ def build_cluster(region, shapes: list):
         t["x2"] = ((m, h), F16)
         return FusionCluster("residual_add", t, [Stage("add", ("x", "x2"), "y")], ("y",), ()), \
             {}, {}, m
+    if kind == "rope":
+        # x (m, heads * head_dim) rotated with per-row cos/sin (m, head_dim)
+        hd = int(shapes[1][-1])
+        t.update({"cos": ((m, hd), F16), "sin": ((m, hd), F16)})
+        stages = [Stage("rope", ("x", "cos", "sin"), "y", {"head_dim": hd})]
+        return FusionCluster("rope", t, stages, ("y",), ()), {}, {}, m
     raise EdgeTVMError(f"no NPU kernel for region kind {kind!r}")
 
 
@@ -149,4 +155,10 @@ def offloadable(region) -> bool:
         return len(region.runtime_positions) == 1
     if kind == "residual_add":
         return len(region.runtime_positions) == 2
+    if kind == "kv_append":
+        return len(region.runtime_positions) == 2
+    if kind == "rope":
+        return region.attrs.get("edgetvm.style") == "rotate_half"
+    if kind == "attention":
+        return region.attrs.get("edgetvm.merges_heads") == "1"
     return False

@@ -75,7 +75,40 @@ class _Rewriter(PyExprMutator):
         if not self.accept(region):
             return call
         self.regions.append(region)
-        return relax.call_pure_packed(region.symbol, *runtime, ty_args=call.ty)
+        return relax.call_pure_packed(region.symbol, *runtime,
+                                      ty_args=_result_type(region, call, func))
+
+
+def _shaped(ty) -> bool:
+    if isinstance(ty, relax.TupleType):
+        return all(_shaped(f) for f in ty.fields)
+    return getattr(ty, "shape", None) is not None
+
+
+def _result_type(region, call, func):
+    """The region's result type, with shapes wherever they can be known.
+
+    TVM's importer loses the static shape of some symbolic-length tensors (only the rank
+    survives; see relax_passes notes), and a host op without a shape cannot be legalised.
+    The region's own signature, or its shape arguments, usually still know them."""
+    if _shaped(call.ty):
+        return call.ty
+    if _shaped(func.ret_ty):
+        return func.ret_ty
+    dtype = call.ty.dtype if hasattr(call.ty, "dtype") else "float32"
+    if region.kind == "rope":
+        # (x (b, s, h * d), shape [b, s, h, d], cos, sin) -> (b, h, s, d)
+        shape = next((a for a in call.args if isinstance(a, relax.ShapeExpr)), None)
+        if shape is not None and len(shape.values) == 4:
+            b, s, h, d = shape.values
+            return relax.TensorType([b, h, s, d], dtype)
+    if region.kind == "kv_append":
+        past, new = call.args
+        if _shaped(past.ty) and _shaped(new.ty):
+            dims = list(past.ty.shape.values)
+            dims[-2] = dims[-2] + new.ty.shape.values[-2]
+            return relax.TensorType(dims, dtype)
+    return call.ty
 
 
 def offload_regions(mod: tvm.IRModule, accept, prefix: str):

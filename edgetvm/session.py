@@ -95,21 +95,97 @@ class NPUSession:
         return {n: o.numpy() for n, o in zip(self.imported.output_names, outs)}, self.meter
 
     def _region_fn(self, region):
+        special = {"kv_append": self._kv_append_fn, "rope": self._rope_fn,
+                   "attention": self._attention_fn}.get(region.kind)
+        if special is not None:
+            return special(region)
+
         def run(*tensors):
             arrays = [t.numpy() for t in tensors]
-            shapes = [a.shape for a in arrays]
-            key = (region.index, tuple(shapes))
-            entry = self._programs.get(key)
-            if entry is None:
-                cluster, consts, matmuls, m = build_cluster(region, shapes)
-                program = self.kernels.build(cluster, consts, matmuls, m)
-                entry = self._programs[key] = (program, list(cluster.tensors)[:len(arrays)])
-            program, names = entry
-            feeds = {n: a.reshape(program.tensors[n].shape).astype(np.float16)
-                     for n, a in zip(names, arrays)}
-            res = self.emu.run(program, feeds)
-            self.meter.add(region.kind, res.counters)
-            y = res.outputs["y"]
-            out_shape = shapes[0][:-1] + (y.shape[-1],)
-            return tvm.runtime.tensor(y.reshape(out_shape).astype(np.float32))
+            y = self._npu(region, arrays)
+            return tvm.runtime.tensor(y.reshape(arrays[0].shape[:-1] + (y.shape[-1],))
+                                      .astype(np.float32))
+        return run
+
+    def _npu(self, region, arrays) -> np.ndarray:
+        """Run the region's NPU kernel on 2-D fp16 views of ``arrays``; returns ``y``."""
+        shapes = [a.shape for a in arrays]
+        key = (region.index, tuple(shapes))
+        entry = self._programs.get(key)
+        if entry is None:
+            cluster, consts, matmuls, m = build_cluster(region, shapes)
+            program = self.kernels.build(cluster, consts, matmuls, m)
+            names = [n for n in cluster.tensors if n not in cluster.consts][:len(arrays)]
+            entry = self._programs[key] = (program, names)
+        program, names = entry
+        feeds = {n: a.reshape(program.tensors[n].shape).astype(np.float16)
+                 for n, a in zip(names, arrays)}
+        res = self.emu.run(program, feeds)
+        self.meter.add(region.kind, res.counters)
+        return res.outputs["y"]
+
+    def _rope_fn(self, region):
+        """RoPE: the rotation runs on the NPU; the host builds the per-position cos/sin rows
+        (``computes_cos_sin`` regions: cos/sin of position * inv_freq, a table lookup on a
+        device that stores the table) and does the head transpose (glue)."""
+        a = region.args
+
+        def run(*args):
+            vals = [x.numpy() if hasattr(x, "numpy") else tuple(int(v) for v in x)
+                    for x in args]
+            full = list(a)
+            for pos, v in zip(region.runtime_positions, vals):
+                full[pos] = v
+            if region.attrs.get("edgetvm.computes_cos_sin") == "1":
+                inv_freq, _, pos_ids, c_mul, s_mul, x, shape = full
+                f = pos_ids.astype(np.float32)[:, :, None] * inv_freq.reshape(1, 1, -1)
+                emb = np.concatenate([f, f], axis=-1)
+                cos = (np.cos(emb) * c_mul).astype(np.float32)
+                sin = (np.sin(emb) * s_mul).astype(np.float32)
+            else:
+                x, shape, cos4, sin4 = full
+                cos, sin = cos4[:, 0], sin4[:, 0]
+            b, s, h, d = shape
+            rows = b * s
+            y = self._npu(region, [x.reshape(rows, h * d), cos.reshape(rows, d),
+                                   sin.reshape(rows, d)])
+            out = y.reshape(b, s, h, d).transpose(0, 2, 1, 3).astype(np.float32)
+            out = tvm.runtime.tensor(np.ascontiguousarray(out))
+            if region.attrs.get("edgetvm.computes_cos_sin") == "1":
+                return tvm_ffi.convert([tvm.runtime.tensor(cos[:, None]),
+                                        tvm.runtime.tensor(sin[:, None]), out])
+            return out
+        return run
+
+    def _attention_fn(self, region):
+        """Attention: HOST fallback for now (numpy, fp32), faithful to the region's graph:
+        softmax((q * s1) @ (k * s2)^T + mask) @ v with grouped-query K/V repeat."""
+        a = region.args
+
+        def run(*args):
+            vals = [x.numpy() if hasattr(x, "numpy") else tuple(int(v) for v in x)
+                    for x in args]
+            full = list(a)
+            for pos, v in zip(region.runtime_positions, vals):
+                full[pos] = v
+            k, _, v, _, _, q, s1, s2, mask, nan_fill = full[:10]
+            out_shape = full[11]
+            group = q.shape[1] // k.shape[1]
+            kk = np.repeat(k, group, axis=1)
+            vv = np.repeat(v, group, axis=1)
+            sc = (q * s1) @ np.swapaxes(kk * s2, -1, -2) + mask
+            sc = sc - sc.max(axis=-1, keepdims=True)
+            p = np.exp(sc)
+            p = p / p.sum(axis=-1, keepdims=True)
+            p = np.where(np.isnan(p), nan_fill, p)
+            o = (p @ vv).transpose(0, 2, 1, 3).reshape(out_shape)
+            return tvm.runtime.tensor(np.ascontiguousarray(o.astype(np.float32)))
+        return run
+
+    def _kv_append_fn(self, region):
+        axis = -2
+
+        def run(past, new):
+            # TODO(kv-state): the paged KV cache kernel replaces this host concat
+            return tvm.runtime.tensor(np.concatenate([past.numpy(), new.numpy()], axis=axis))
         return run

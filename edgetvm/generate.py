@@ -1,0 +1,102 @@
+"""Greedy generation with a text-generation-with-past ONNX model on the NPU session, and
+the same loop on onnxruntime as the reference (present fed back as past)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from edgetvm.errors import ModelImportError
+
+
+@dataclass
+class KVSpec:
+    """The KV-cache inputs of a with-past export: layers x (key, value) of
+    (batch, kv_heads, past, head_dim)."""
+
+    names: list                 # [(key input, value input, key output, value output)]
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @staticmethod
+    def of(model_path: str) -> "KVSpec":
+        m = onnx.load(model_path, load_external_data=False)
+        inputs = {i.name: i for i in m.graph.input}
+        outputs = {o.name for o in m.graph.output}
+        layers = sorted({int(g) for n in inputs for g in re.findall(r"past_key_values\.(\d+)\.key", n)})
+        if not layers or "input_ids" not in inputs or "logits" not in outputs:
+            raise ModelImportError(f"{model_path}: not a text-generation-with-past export "
+                                   f"(inputs input_ids, past_key_values.N.key/value; outputs "
+                                   f"logits, present.N.key/value)")
+        names = []
+        for i in layers:
+            names.append((f"past_key_values.{i}.key", f"past_key_values.{i}.value",
+                          f"present.{i}.key", f"present.{i}.value"))
+        t = inputs[names[0][0]].type.tensor_type
+        dims = [d.dim_value for d in t.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
+        return KVSpec(names, dims[1], dims[3], dtype)
+
+
+@dataclass
+class StepRecord:
+    phase: str            # prefill | decode
+    token: int
+    positions: int        # tokens processed in this call
+    past: int             # KV length before the call
+    npu_cycles: int = 0
+    npu_us: float = 0.0
+    dram_read_bytes: int = 0
+    dram_write_bytes: int = 0
+    energy_uj: float = 0.0
+    logits: np.ndarray | None = field(default=None, repr=False)
+
+
+def feeds_for(kv: KVSpec, ids, past_len: int, past: dict | None):
+    s = len(ids)
+    feeds = {"input_ids": np.asarray([ids], np.int64),
+             "attention_mask": np.ones((1, past_len + s), np.int64),
+             "position_ids": np.arange(past_len, past_len + s, dtype=np.int64)[None]}
+    for k_in, v_in, k_out, v_out in kv.names:
+        for name, src in ((k_in, k_out), (v_in, v_out)):
+            feeds[name] = past[src] if past else np.zeros((1, kv.kv_heads, 0, kv.head_dim),
+                                                           kv.dtype)
+    return feeds
+
+
+def greedy(run, kv: KVSpec, prompt, max_new_tokens: int, on_step=None) -> list:
+    """Greedy decode with ``run(feeds) -> (outputs, meter | None)``; prefill = one call."""
+    records, past, past_len = [], None, 0
+    ids = list(prompt)
+    for step in range(max_new_tokens):
+        outs, meter = run(feeds_for(kv, ids, past_len, past))
+        logits = outs["logits"][0, -1]
+        token = int(np.argmax(logits))
+        rec = StepRecord("prefill" if step == 0 else "decode", token, len(ids), past_len,
+                         logits=logits)
+        if meter is not None:
+            rec.npu_cycles, rec.dram_read_bytes = meter.cycles, meter.dram_read_bytes
+            rec.dram_write_bytes, rec.energy_uj = meter.dram_write_bytes, meter.energy_uj
+        records.append(rec)
+        if on_step is not None:
+            on_step(rec)
+        past = {n: outs[n] for names in kv.names for n in names[2:]}
+        past_len += len(ids)
+        ids = [token]
+    return records
+
+
+def onnxruntime_runner(model_path: str):
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"])
+    out_names = [o.name for o in sess.get_outputs()]
+    in_names = {i.name for i in sess.get_inputs()}
+
+    def run(feeds):
+        res = sess.run(None, {k: v for k, v in feeds.items() if k in in_names})
+        return dict(zip(out_names, res)), None
+    return run
