@@ -155,8 +155,8 @@ def offloadable(region) -> bool:
         return len(region.runtime_positions) == 1
     if kind == "residual_add":
         return len(region.runtime_positions) == 2
-    if kind == "kv_append":
-        return len(region.runtime_positions) == 2
+    if kind == "kv_append":            # must read a past_key_values input (with-past export)
+        return any(n and n.startswith("past_key_values_") for n in region.arg_names)
     if kind == "rope":
         return region.attrs.get("edgetvm.style") == "rotate_half"
     if kind == "attention":

@@ -35,6 +35,7 @@ class Region:
     func: relax.Function
     symbol: str
     runtime_positions: list = field(default_factory=list)
+    arg_names: list = field(default_factory=list)     # call-site names of Var arguments
 
 
 def _const_value(e):
@@ -71,7 +72,8 @@ class _Rewriter(PyExprMutator):
         region = Region(len(self.regions), kind,
                         {k: str(v) for k, v in func.attrs.items() if k.startswith("edgetvm.")},
                         args, [p.name for p in func.params], func,
-                        f"{self.prefix}.{len(self.regions)}", pos)
+                        f"{self.prefix}.{len(self.regions)}", pos,
+                        [a.name if isinstance(a, relax.Var) else None for a in call.args])
         if not self.accept(region):
             return call
         self.regions.append(region)

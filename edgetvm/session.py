@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,11 +26,17 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from edgetvm.errors import EdgeTVMError
 from edgetvm.frontend import import_onnx
 from edgetvm.relax_passes import AnnotateLLMSemantics
 from edgetvm.target.emulator import Emulator
+from edgetvm.target.lowering import lower_primfunc
 from edgetvm.target.spec import load_spec
+from edgetvm.tir_schedules.attention import (ATTENTION_LOWERING, schedule_decode_attention,
+                                             schedule_prefill_attention)
+from edgetvm.tir_schedules.kv_cache import KV_APPEND_LOWERING, schedule_kv_append
 
+from .kv_state import KVState, capacity_bucket
 from .npu_regions import KernelCache, build_cluster, offloadable
 from .offload import offload_regions
 
@@ -61,7 +68,8 @@ class StepMeter:
 class NPUSession:
     """Compile ``onnx_path`` for ``spec`` and run it with the NPU parts on the emulator."""
 
-    def __init__(self, onnx_path, spec="edge-npu-16mb", profile=None, shape_overrides=None):
+    def __init__(self, onnx_path, spec="edge-npu-16mb", profile=None, shape_overrides=None,
+                 max_tokens: int = 1024, row_buckets=(16, 32, 64, 128, 256, 512, 1024)):
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         t0 = time.time()
         self.imported = import_onnx(onnx_path, shape_overrides=shape_overrides)
@@ -82,12 +90,46 @@ class NPUSession:
         self.kernels = KernelCache(self.spec)
         self._programs: dict = {}
         self.meter = StepMeter()
+        self.row_buckets = tuple(sorted(row_buckets))
+        self.kv = self._kv_state(max_tokens)
+        self._pending_kv: dict = {}
+        self._attention_calls = 0
+
+    def _kv_state(self, max_tokens: int):
+        kv_regions = [r for r in self.regions if r.kind == "kv_append"]
+        if not kv_regions:
+            return None
+        shapes = [self.imported.mod["main"].params[i].ty.shape.values
+                  for i, n in enumerate(self.imported.input_names) if "past_key_values" in n]
+        kv_heads, head_dim = int(shapes[0][1]), int(shapes[0][3])
+        layers = len({_layer_of(r) for r in kv_regions})
+        return KVState(layers, kv_heads, head_dim, max_tokens)
+
+    def bucket(self, rows: int) -> int:
+        """The row count NPU programs are compiled for: decode rows stay 1, prefill rows
+        round up to a length bucket (one static program serves the whole bucket)."""
+        if rows <= 1:
+            return rows
+        for b in self.row_buckets:
+            if rows <= b:
+                return b
+        return rows
+
+    def reset(self) -> None:
+        """Forget the sequence (a new prompt): the KV pages are free again."""
+        if self.kv is not None:
+            self.kv.reset()
 
     # -- running the model --------------------------------------------------------------
     def __call__(self, feeds: dict):
         """Run the model once; ``feeds`` maps ONNX input names to arrays. Returns the ONNX
         outputs (name -> np.ndarray) and the step's :class:`StepMeter`."""
         self.meter = StepMeter()
+        self._attention_calls = 0
+        mask = feeds.get("attention_mask")
+        if mask is not None and not np.all(mask):
+            raise EdgeTVMError("padded sequences (zeros in attention_mask) are not supported: "
+                               "the NPU attention masks by length and causality only")
         args = [tvm.runtime.tensor(np.ascontiguousarray(feeds[n])) for n in
                 self.imported.input_names]
         out = self.vm["main"](*args)
@@ -108,7 +150,17 @@ class NPUSession:
         return run
 
     def _npu(self, region, arrays) -> np.ndarray:
-        """Run the region's NPU kernel on 2-D fp16 views of ``arrays``; returns ``y``."""
+        """Run the region's NPU kernel on 2-D fp16 views of ``arrays``; returns ``y``.
+
+        Rows are padded to the length bucket, so prefill lengths share programs."""
+        rows = _rows(arrays[0].shape)
+        pad = self.bucket(rows) - rows
+        arrays = [a.reshape(rows, -1) for a in arrays]
+        if pad:
+            arrays = [np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) for a in arrays]
+        return self._npu_exact(region, arrays)[:rows]
+
+    def _npu_exact(self, region, arrays) -> np.ndarray:
         shapes = [a.shape for a in arrays]
         key = (region.index, tuple(shapes))
         entry = self._programs.get(key)
@@ -157,35 +209,141 @@ class NPUSession:
             return out
         return run
 
-    def _attention_fn(self, region):
-        """Attention: HOST fallback for now (numpy, fp32), faithful to the region's graph:
-        softmax((q * s1) @ (k * s2)^T + mask) @ v with grouped-query K/V repeat."""
-        a = region.args
+    def _kv_append_fn(self, region):
+        """KV append: the new tokens' K/V go into the layer's paged cache on the device (the
+        append kernel writes only them). The region's value, the concatenated ``present``
+        of the ONNX graph, is only a graph output now (attention reads the pages): it is
+        returned with its shape and no data."""
+        layer, which, past_at = _past_input(region)
 
         def run(*args):
+            past_shape = tuple(args[past_at].shape)
+            new = next(a for i, a in enumerate(args) if i != past_at and hasattr(a, "numpy"))
+            new = new.numpy()
+            b, hk, _, d = past_shape
+            if new.ndim == 3:
+                # the projection output (b, s, heads * d): the region's reshape (+ the
+                # head transpose that constant folding drops when s == 1)
+                new = new.reshape(b, new.shape[1], hk, d).transpose(0, 2, 1, 3)
+            if new.ndim != 4 or new.shape[1] != hk or new.shape[3] != d:
+                raise EdgeTVMError(f"KV append region {region.index}: new tokens of shape "
+                                   f"{new.shape} do not match the cache {past_shape}")
+            s = new.shape[2]
+            pos = past_shape[-2]
+            pend = self._pending_kv.setdefault(layer, {})
+            pend[which] = new
+            if len(pend) == 2:
+                self._append(layer, pend.pop("key"), pend.pop("value"), pos)
+            present = past_shape[:-2] + (pos + s, d)
+            return tvm.runtime.tensor(np.zeros(present, np.float32))
+        return run
+
+    def _append(self, layer: int, k, v, pos: int) -> None:
+        kv = self.kv
+        s = k.shape[2]
+        c = self.bucket(s)
+        if pos == 0 and layer == 0:
+            kv.reset()
+        kv.reserve(pos, c)
+        key = ("kv_append", c)
+        base = self._programs.get(key)
+        if base is None:
+            sch = schedule_kv_append(kv.layout, c, self.spec)
+            base = lower_primfunc(sch.mod["main"], self.spec, f"kv_append_{c}",
+                                  **KV_APPEND_LOWERING)
+            self._programs[key] = base
+        program = self._layer_program(key, base, layer)
+        feeds = {}
+        for name, x in (("k_new", k), ("v_new", v)):
+            rows = np.zeros((c, kv.kv_heads, 1, kv.head_dim), np.float16)
+            rows[:s] = x[0].transpose(1, 0, 2)[:, :, None, :]
+            feeds[name] = rows
+        res = self.emu.run(program, feeds, params=kv.layout.slot_params(kv.page_table, pos, c, s))
+        self.meter.add("kv_append", res.counters)
+        kv.length = max(kv.length, pos + s)
+
+    def _layer_program(self, key, base, layer: int):
+        lk = key + ("layer", layer)
+        p = self._programs.get(lk)
+        if p is None:
+            p = self._programs[lk] = base.renamed(self.kv.names(layer))
+        return p
+
+    def _attention_fn(self, region):
+        """Attention on the NPU over the paged KV cache: decode reads the pages through the
+        page table up to the valid length; prefill (and chunked prefill) is causal,
+        flash-style, with the queries at ``pos``. Layers are the attention calls in order."""
+        scale = float(region.attrs.get("edgetvm.scale", "nan"))
+
+        def run(*args):
+            layer = self._attention_calls
+            self._attention_calls += 1
             vals = [x.numpy() if hasattr(x, "numpy") else tuple(int(v) for v in x)
                     for x in args]
-            full = list(a)
+            full = list(region.args)
             for pos, v in zip(region.runtime_positions, vals):
                 full[pos] = v
-            k, _, v, _, _, q, s1, s2, mask, nan_fill = full[:10]
-            out_shape = full[11]
-            group = q.shape[1] // k.shape[1]
-            kk = np.repeat(k, group, axis=1)
-            vv = np.repeat(v, group, axis=1)
-            sc = (q * s1) @ np.swapaxes(kk * s2, -1, -2) + mask
-            sc = sc - sc.max(axis=-1, keepdims=True)
-            p = np.exp(sc)
-            p = p / p.sum(axis=-1, keepdims=True)
-            p = np.where(np.isnan(p), nan_fill, p)
-            o = (p @ vv).transpose(0, 2, 1, 3).reshape(out_shape)
-            return tvm.runtime.tensor(np.ascontiguousarray(o.astype(np.float32)))
+            q, out_shape = full[5], full[11]
+            b, hq, s, d = q.shape
+            kv = self.kv
+            pos = kv.length - s
+            out = self._attend(layer, q[0].transpose(1, 0, 2), pos, scale if scale == scale
+                               else d ** -0.5)
+            return tvm.runtime.tensor(np.ascontiguousarray(
+                out.reshape(out_shape).astype(np.float32)))
         return run
 
-    def _kv_append_fn(self, region):
-        axis = -2
+    def _attend(self, layer: int, q, pos: int, scale: float) -> np.ndarray:
+        """q (s, hq, d) at positions pos.. -> (s, hq, d)."""
+        kv = self.kv
+        s, hq, d = q.shape
+        valid = pos + s
+        pages = capacity_bucket(-(-valid // kv.page_tokens))
+        tile = min(64, pages * kv.page_tokens)
+        if s == 1:
+            key = ("decode_attention", pages)
+            build = lambda: schedule_decode_attention(  # noqa: E731
+                kv.layout, hq, pages, self.spec, tile_kv=tile, slots_kv=2, slots_s=1,
+                scale=scale)
+            feeds = {"q": q[0].astype(np.float16)}
+            params = {"valid_len": valid}
+        else:
+            c = self.bucket(s)
+            key = ("prefill_attention", c, pages)
+            build = lambda: schedule_prefill_attention(  # noqa: E731
+                kv.layout, hq, c, self.spec, tile_q=min(64, c), tile_kv=tile, slots_kv=2,
+                slots_s=1, chunked=True, max_pages=pages, scale=scale)
+            qp = np.zeros((c, hq, d), np.float16)
+            qp[:s] = q
+            feeds = {"q": qp}
+            params = {"valid_len": valid, "pos": pos}
+        base = self._programs.get(key)
+        if base is None:
+            base = lower_primfunc(build().mod["main"], self.spec, key[0], outputs=["out"],
+                                  **ATTENTION_LOWERING)
+            self._programs[key] = base
+        program = self._layer_program(key, base, layer)
+        params.update(kv.layout.page_table_params(kv.page_table, pages))
+        res = self.emu.run(program, feeds, params=params)
+        self.meter.add("attention", res.counters)
+        return res.outputs["out"][:s] if s > 1 else res.outputs["out"][None]
 
-        def run(past, new):
-            # TODO(kv-state): the paged KV cache kernel replaces this host concat
-            return tvm.runtime.tensor(np.concatenate([past.numpy(), new.numpy()], axis=axis))
-        return run
+
+def _rows(shape) -> int:
+    return int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+
+
+def _past_input(region) -> tuple:
+    """(layer, "key" | "value", runtime arg position) of a KV-append region's past input
+    (``past_key_values_<n>_key`` at the call site)."""
+    for k, pos in enumerate(region.runtime_positions):
+        m = re.fullmatch(r"past_key_values_(\d+)_(key|value)", region.arg_names[pos] or "")
+        if m:
+            return int(m.group(1)), m.group(2), k
+    raise EdgeTVMError(f"KV append region {region.index} does not read a past_key_values input")
+
+
+def _layer_of(region) -> int:
+    return _past_input(region)[0]
+
+

@@ -331,5 +331,26 @@ class Program:
     def tensors_of(self, kind: str) -> list:
         return [t for t in self.tensors.values() if t.kind == kind]
 
+    def renamed(self, mapping: dict) -> "Program":
+        """A copy whose DRAM tensors ``old`` are called ``mapping[old]`` (e.g. one lowered
+        attention kernel serving every layer, each with its own KV cache state)."""
+        import dataclasses
+
+        def ren(v):
+            if isinstance(v, DramRef) and v.tensor in mapping:
+                return dataclasses.replace(v, tensor=mapping[v.tensor])
+            return v
+        cmds = []
+        for c in self.commands:
+            changes = {f.name: ren(getattr(c, f.name)) for f in dataclasses.fields(c)
+                       if isinstance(getattr(c, f.name), DramRef)}
+            if isinstance(c, HostOp):
+                changes["inputs"] = tuple(mapping.get(t, t) for t in c.inputs)
+                changes["outputs"] = tuple(mapping.get(t, t) for t in c.outputs)
+            cmds.append(dataclasses.replace(c, **changes) if changes else c)
+        tensors = {mapping.get(n, n): dataclasses.replace(t, name=mapping.get(n, n))
+                   for n, t in self.tensors.items()}
+        return dataclasses.replace(self, commands=cmds, tensors=tensors)
+
     def __len__(self):
         return len(self.commands)

@@ -31,8 +31,8 @@ tiles at all. The masks use ``npu.mask_len`` (keys >= valid_len) and ``npu.mask_
 (key > pos + query row).
 
 Knobs: decode ``tile_kv`` (tokens per KV tile: a multiple or divisor of the page),
-``slots_kv`` (1/2: double-buffered K/V tiles), ``slots_s`` (copies of the score tiles,
-2 lets the next head's QK^T overlap this head's softmax); prefill adds ``tile_q``.
+``slots_kv`` (1/2: double-buffered K/V tiles), ``slots_s`` (copies of the score tile:
+2 lets the next QK^T overlap this one's softmax); prefill adds ``tile_q``.
 
 Layouts: decode ``q, out (Hq, D)``; prefill ``q, out (C, Hq, D)`` token-major (the
 projection's layout); inside, Q is re-laid out head-major in TCM by one vector copy per
@@ -92,8 +92,11 @@ class _Attention:
     def declare_kv(self, cap):
         kb = self.kb
         self.cap = cap
-        self.kt = kb.tcm("K_tile", (self.hk, cap, self.d), "float16")
-        self.vt = kb.tcm("V_tile", (self.hk, cap, self.d), "float16")
+        # 4-D like the cache, with a unit page axis: a page DMA then pairs the cache's
+        # (page, head, row, col) axes with the tile's one to one, and a tile of several
+        # pages is still one 2-D MMA operand (tokens x head_dim)
+        self.kt = kb.tcm("K_tile", (1, self.hk, cap, self.d), "float16")
+        self.vt = kb.tcm("V_tile", (1, self.hk, cap, self.d), "float16")
 
     def load_kv(self, h, t, klen, valid):
         """The K and V tile ``t`` of head ``h``: one DMA per page of the tile."""
@@ -112,7 +115,7 @@ class _Attention:
                 def body(iv, cache=cache, tile=tile):
                     tok, dd = iv[-2], iv[-1]
                     src = cache[self.page_table[tok // p], h, tok % p, dd]
-                    return tile, (h, tok, dd), src, [src], None
+                    return tile, (0, h, tok, dd), src, [src], None
                 kb.op(name, "dma", (rt, d), iters, body,
                       where=lambda lv, pg=pg: t * tt + pg * rt + lv[0] < klen,
                       ann={"npu.slots": slots, "npu.channel": ch, **valid.ann})
@@ -166,7 +169,7 @@ class _Attention:
         # S = Q @ K^T
         def qk(iv):
             i, j, k = iv[-3], iv[-2], iv[-1]
-            a, b = self.Q[(*ri(i), k)], self.kt[h, j, k]
+            a, b = self.Q[(*ri(i), k)], self.kt[0, h, j, k]
             return S, (*ri(i), j), S[(*ri(i), j)] + _f32(a) * _f32(b), [a, b], \
                 tirx.const(0.0, "float32")
         kb.op("QK", "mma", (rows, tt, d),
@@ -224,11 +227,21 @@ class _Attention:
         def body(iv):
             i, dd, j = iv[-3], iv[-2], iv[-1]
             key = c0 + j if local else j
-            a, b = self.P[(*ri(i), key)], self.vt[h, key, dd]
+            a, b = self.P[(*ri(i), key)], self.vt[0, h, key, dd]
             return out, (*ri(i), dd), out[(*ri(i), dd)] + _f32(a) * _f32(b), [a, b], \
                 tirx.const(0.0, "float32")
         self.kb.op(name, "mma", (rows, d, tt), iters, body,
                    where=lambda lv: rk_where([lv[0], lv[2]]), ann=valid.ann)
+
+    def keep_running_max(self, name, rows, iters, ri, where=None):
+        """Copy the final running max out of the KV loop (it is also the softmax's
+        log-sum-exp offset). Lowering workaround: tcm_alloc takes a TCM buffer's instance
+        to be one iteration of the innermost loop around all its accesses, so a running
+        state touched only inside the KV-tile loop would get a fresh instance per tile
+        (and per query head of the group); one access after the loop keeps it resident."""
+        self.kb.op(name, "vector:copy", (rows,), iters,
+                   lambda iv: (self.m_final, ri(iv[0]), self.m[ri(iv[0])],
+                               [self.m[ri(iv[0])]], None), where=where)
 
     def declare_state(self, lead, tt_cap):
         """Per-row running state and per-tile scratch, with leading dims ``lead``."""
@@ -237,7 +250,7 @@ class _Attention:
         self.Sm = kb.tcm("S_masked", (*lead, tt_cap), "float32")
         self.S2 = kb.tcm("S_shifted", (*lead, tt_cap), "float32")
         self.P = kb.tcm("P", (*lead, tt_cap), "float16")
-        for name in ("m", "mt", "mn", "dm", "corr", "l", "l2", "ls"):
+        for name in ("m", "mt", "mn", "dm", "corr", "l", "l2", "ls", "m_final"):
             setattr(self, name, kb.tcm(f"row_{name}", lead, "float32"))
         self.O = kb.tcm("O", (*lead, self.d), "float32")
         self.Oc = kb.tcm("O_scaled", (*lead, self.d), "float32")
@@ -296,6 +309,7 @@ def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, til
                 a.load_kv(h, t, cap, valid)
                 a.step(h, t, g, 0, lambda r: tirx.const(True, "bool"), ri, cap, valid,
                        {"npu.mask_len": "valid_len"})
+            a.keep_running_max("m_final", g, lambda lv: [("S", (0, g), lv[0])], ri)
             kb.op("normalize", "vector:div", (g, d), gd,
                   lambda iv: (o16, (h * g + iv[0], iv[1]),
                               tirx.Cast("float16", a.O[h * g + iv[0], iv[1]] /
@@ -376,6 +390,8 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
                     a.step(h, t, tq, q0, row_ok, lambda i, e=e: (h * g + e, i), kv_len, valid,
                            mask_ann)
             with kb.loop(g, "e") as e:
+                a.keep_running_max("m_final", tq, lambda lv: [("S", (0, c), q0 + lv[0])],
+                                   lambda i, e=e: (h * g + e, i), where=lambda lv: row_ok(lv[0]))
                 kb.op("normalize", "vector:div", (tq, d),
                       lambda lv: [("S", (0, c), q0 + lv[0]), ("S", (0, d), lv[1])],
                       lambda iv: (o16, (iv[0], h * g + e, iv[1]),

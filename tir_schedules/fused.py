@@ -34,23 +34,26 @@ Knobs (sampling instructions; ``None`` samples):
 ``dma_split``
     1 reserves the last DMA channel for stores (root annotation ``npu.dma_split``, as in
     ``gemm.schedule_matmul``), 0 lets loads use every channel;
-``<stage>.tile_n``, ``<stage>.tile_k``, ``<stage>.slots_w``
-    per matmul stage: output/reduction tile and weight-tile copies.
+``<stage>.tile_n``, ``<stage>.tile_k``, ``<stage>.slots_w``, ``<stage>.slots_c``
+    per matmul stage: output/reduction tile, weight-tile copies, accumulator-tile copies.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tvm import s_tir, te, tirx
+import tvm
+from tvm import s_tir, te
 from tvm.tirx.analysis import undefined_vars
 from tvm.tirx.buffer import BufferType
 
 from edgetvm.errors import CandidateRejected
+from edgetvm.target.lowering import lower_primfunc
 
 from . import workloads as W
 from .common import TCM, annotate_op, knob, tile_candidates
 
 ROW_TILES = (1, 2, 4, 8, 16, 32, 64, 128)
+MATMUL_KNOBS = ("tile_n", "tile_k", "slots_w", "slots_c")
 
 #: op name -> TE piece ``f(*input tensors, name=..., **attrs) -> te.Tensor``
 PIECES = {
@@ -118,8 +121,8 @@ class FusionCluster:
 
 
 def lower_cluster(cluster: FusionCluster, sch, spec, consts: dict):
-    """Lower a scheduled cluster; a TCM overflow names the cluster and its buffers."""
-    from edgetvm.target.lowering import lower_primfunc  # noqa: PLC0415 (target imports tvm.s_tir)
+    """Lower a scheduled cluster (``consts``: name -> array for at least its weights); a
+    rejection (e.g. a TCM overflow, which lists the buffers) names the cluster."""
     try:
         return lower_primfunc(sch.mod["main"], spec, cluster.name, outputs=list(cluster.outputs),
                               consts={k: consts[k] for k in cluster.consts})
@@ -158,27 +161,59 @@ def _input_roles(func, blocks) -> dict:
     return roles
 
 
-def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=None,
-                     dma_split=None, matmul=None):
-    """Schedule a row-local PrimFunc (``FusionCluster.prim_func()`` or a
-    ``workloads`` row op) in place; see the module docstring for the knobs.
-
-    ``slots_in``: an int for every streamed input, or a dict name -> value (None samples);
-    ``matmul``: dict stage name -> dict(tile_n=, tile_k=, slots_w=).
-    """
-    func = sch.mod["main"]
-    root = sch.get_sblock("root")
-    blocks = [(rv, sch.get(rv)) for rv in sch.get_child_blocks(root)]
+def _analyse(func, blocks) -> tuple:
+    """(output names, row count, elementwise?, input roles) of a row-local PrimFunc."""
     out_names = [p.name for p in func.params if isinstance(p.ty, BufferType) and
                  any(w.source.name == p.name for _, b in blocks for w in b.writes)]
     m_ext = int(blocks[-1][1].iter_vars[0].dom.extent)
     elementwise = all(_op_of(b) not in ("mma", "vector:rope") and len(b.iter_vars) == 2 and
                       all(iv.iter_type == 0 for iv in b.iter_vars) for _, b in blocks)
+    return out_names, m_ext, elementwise, _input_roles(func, blocks)
+
+
+def knob_names(func) -> tuple:
+    """The knobs :func:`schedule_cluster` samples for ``func``, in sampling order (the
+    ``KNOBS`` of a template, for ``search.knob_space``)."""
+    sch = s_tir.Schedule(tvm.IRModule({"main": func}))
+    blocks = [(rv, sch.get(rv)) for rv in sch.get_child_blocks(sch.get_sblock("root"))]
+    _, _, elementwise, roles = _analyse(func, blocks)
+    names = ["tile_m"] + (["tile_n"] if elementwise else [])
+    names += [f"slots_{n}" for n, (role, _, _) in roles.items() if role == "row"]
+    names += ["slots_out", "dma_split"]
+    for _, b in blocks:
+        if _op_of(b) == "mma":
+            stage = b.name_hint[:-len("_acc")]
+            names += [f"{stage}.{k}" for k in MATMUL_KNOBS]
+    return tuple(names)
+
+
+def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=None,
+                     dma_split=None, matmul=None):
+    """Schedule a row-local PrimFunc (``FusionCluster.prim_func()`` or a
+    ``workloads`` row op) in place; see the module docstring for the knobs
+    (:func:`knob_names` lists them in sampling order).
+
+    ``slots_in``: one value for every streamed input, or a dict name -> value;
+    ``matmul``: dict stage name -> dict(tile_n=, tile_k=, slots_w=, slots_c=).
+    """
+    func = sch.mod["main"]
+    root = sch.get_sblock("root")
+    blocks = [(rv, sch.get(rv)) for rv in sch.get_child_blocks(root)]
+    out_names, m_ext, elementwise, roles = _analyse(func, blocks)
     if tile_n is not None and not elementwise:
         raise ValueError("tile_n tiles columns: only for clusters of 2-D elementwise ops")
+    tm = knob(sch, tile_m, tile_candidates(m_ext, ROW_TILES), "tile_m")
+    tn = None
+    if elementwise:
+        n_ext = int(blocks[-1][1].iter_vars[1].dom.extent)
+        tn = knob(sch, tile_n, tile_candidates(n_ext), "tile_n")
+    slots_in = slots_in if isinstance(slots_in, dict) else {n: slots_in for n in roles}
+    row_inputs = [n for n, (role, _, _) in roles.items() if role == "row"]
+    slot_knobs = {n: knob(sch, slots_in.get(n), [1, 2], f"slots_{n}") for n in row_inputs}
+    so = knob(sch, slots_out, [1, 2], "slots_out")
+    sch.annotate(root, "npu.dma_split", knob(sch, dma_split, [0, 1], "dma_split"))
 
     # 1. TCM placement: inputs DMA'd in, intermediates in TCM, outputs staged in TCM
-    roles = _input_roles(func, blocks)
     loads = {}                                   # load block name -> (param, role)
     for name, (role, rv, idx) in roles.items():
         ld = sch.cache_read(rv, idx, TCM)
@@ -187,18 +222,12 @@ def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=
     for rv, blk in blocks:
         dst = blk.writes[0].source.name
         if dst in out_names:
-            if _op_of(blk) != "dma":
-                st = sch.cache_write(rv, 0, TCM)
-                stores[sch.get(st).name_hint] = blk.name_hint
+            st = sch.cache_write(rv, 0, TCM)
+            stores[sch.get(st).name_hint] = blk.name_hint
         else:
             sch.set_scope(rv, 0, TCM)
 
     # 2. one row loop (and column loop) for every block
-    tm = knob(sch, tile_m, tile_candidates(m_ext, ROW_TILES), "tile_m")
-    tn = None
-    if elementwise:
-        n_ext = int(blocks[-1][1].iter_vars[1].dom.extent)
-        tn = knob(sch, tile_n, tile_candidates(n_ext), "tile_n")
     outer_i, outer_j = [], []
     for rv in sch.get_child_blocks(root):
         if loads.get(sch.get(rv).name_hint, ("", "row"))[1] != "row":
@@ -217,11 +246,6 @@ def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=
     depth = 1 if tn is None else 2
 
     # 3. one NPU instruction per block nest
-    sch.annotate(root, "npu.dma_split", knob(sch, dma_split, [0, 1], "dma_split"))
-    slots_in = slots_in if isinstance(slots_in, dict) else {n: slots_in for n in roles}
-    row_inputs = [n for n, (role, _, _) in roles.items() if role == "row"]
-    slot_knobs = {n: knob(sch, slots_in.get(n), [1, 2], f"slots_{n}") for n in row_inputs}
-    so = knob(sch, slots_out, [1, 2], "slots_out")
     matmul = matmul or {}
     done = set()
     for rv in sch.get_child_blocks(root):
@@ -238,7 +262,7 @@ def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=
             elif role == "const":
                 annotate_op(sch, loops[0], "dma")
             continue                              # weights: placed with their matmul
-        if name in stores or op == "dma":
+        if name in stores:
             annotate_op(sch, loops[depth], "dma")
             continue
         writes_output = name in stores.values()
@@ -257,6 +281,14 @@ def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=
     return sch
 
 
+def _first_loop_below(sch, block, anchor):
+    """The outermost loop of ``block``'s own nest under ``anchor`` (compute_at drops
+    unit loops, so the nest's depth is not fixed)."""
+    loops = sch.get_loops(block)
+    at = next(k for k, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(anchor)))
+    return loops[at + 1]
+
+
 def _schedule_matmul_stage(sch, blk, loops, loads, stores, knobs: dict, slots_out) -> set:
     """Tile one matmul of a cluster (``i1, j, k`` under the row loop) like
     ``gemm.schedule_matmul``; returns the names of the blocks it scheduled."""
@@ -273,6 +305,7 @@ def _schedule_matmul_stage(sch, blk, loops, loads, stores, knobs: dict, slots_ou
     tn = knob(sch, knobs.get("tile_n"), tile_candidates(n_ext), f"{stage}.tile_n")
     tk = knob(sch, knobs.get("tile_k"), k_cands, f"{stage}.tile_k")
     sw = knob(sch, knobs.get("slots_w"), [1, 2], f"{stage}.slots_w")
+    sc = knob(sch, knobs.get("slots_c"), [1, 2], f"{stage}.slots_c")
     j0, j1 = sch.split(j, [None, tn])
     k0, k1 = sch.split(k, [None, tk])
     sch.reorder(j0, k0, i1, j1, k1)
@@ -284,19 +317,20 @@ def _schedule_matmul_stage(sch, blk, loops, loads, stores, knobs: dict, slots_ou
         if not ld:
             continue
         sch.compute_at(ld[0], k0)
-        annotate_op(sch, sch.get_loops(ld[0])[-2], "dma", slots=sw)
+        annotate_op(sch, _first_loop_below(sch, ld[0], k0), "dma", slots=sw)
         scheduled.add(sch.get(ld[0]).name_hint)
-    annotate_op(sch, i1, "mma")
+    annotate_op(sch, i1, "mma", slots=sc)     # the accumulator tile: cast j overlaps mma j+1
     (cast,) = sch.get_consumers(blk)
     sch.reverse_compute_at(cast, j0)
     cast_name = sch.get(cast).name_hint
     store = [s for s, p in stores.items() if p == cast_name]
-    annotate_op(sch, sch.get_loops(cast)[-2], "vector:cast", slots=slots_out if store else None)
+    annotate_op(sch, _first_loop_below(sch, cast, j0), "vector:cast",
+                slots=slots_out if store else None)
     scheduled.add(cast_name)
     if store:
         st = sch.get_sblock(store[0])
         sch.reverse_compute_at(st, j0)
-        annotate_op(sch, sch.get_loops(st)[-2], "dma")
+        annotate_op(sch, _first_loop_below(sch, st, j0), "dma")
         scheduled.add(store[0])
     return scheduled
 

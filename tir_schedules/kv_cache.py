@@ -27,8 +27,9 @@ Append
 :func:`kv_append` writes the K/V of ``tokens`` new tokens (1 for decode, a chunk of C for
 chunked prefill) into the cache: token ``i`` goes to page ``slot_page[i]`` at row
 ``slot_offset[i]`` (runtime parameters ``slot_page.<i>`` / ``slot_offset.<i>``, set by the
-host from the page table and the position), one DMA store per token, KV head and cache. ``n_new`` (runtime) stores only the first ``n_new`` tokens of a partly
-filled chunk. The DRAM bytes written are ``2 * n_new * kv_heads * head_dim * 2``: they do
+host from the page table and the position), one DMA store per token, KV head and
+cache. ``n_new`` (runtime) stores only the first ``n_new`` tokens of a partly filled
+chunk. The DRAM bytes written are ``2 * n_new * kv_heads * head_dim * 2``: they do
 not depend on how many tokens the cache already holds (the past is never touched).
 """
 from __future__ import annotations

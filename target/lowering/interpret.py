@@ -297,6 +297,7 @@ class Interpreter:
         regions = list(block.writes) + list(block.reads)
         base = [[self._f(r.min)(env_min) for r in reg.region] for reg in regions]
         result = [[set() for _ in reg.region] for reg in regions]
+        used = set(self.exprs.used_params)   # probes may read ids past the op: not params
         for p, iv in enumerate(block.iter_vars):
             probe = dict(env_min)
             probe[iv.var] = env_min[iv.var] + 2
@@ -304,6 +305,7 @@ class Interpreter:
                 for d, r in enumerate(reg.region):
                     if self._f(r.min)(probe) != base[k][d]:
                         result[k][d].add(p)
+        self.exprs.used_params = used
         result = [tuple(frozenset(s) for s in dims) for dims in result]
         self._compiled[key] = result
         return result

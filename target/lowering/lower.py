@@ -134,14 +134,17 @@ def _row_major_strides(shape) -> tuple:
     return tuple(reversed(st))
 
 
-def _pieces(extents, strides_a, strides_b):
+def _pieces(extents, strides_a, strides_b, keep_rows: bool = False):
     """Split a box copy into 2-D pieces valid on both sides.
 
+    ``keep_rows``: never merge the outermost non-unit axis into the next one, so that the
+    rows of the copy are that axis (a runtime ``valid_rows`` count is a count of them).
     Returns (rows, cols, row_stride_a, row_stride_b, [(elem_off_a, elem_off_b), ...])."""
     dims = [(e, sa, sb) for e, sa, sb in zip(extents, strides_a, strides_b) if e > 1]
     merged = []
-    for e, sa, sb in dims:
-        if merged and merged[-1][1] == e * sa and merged[-1][2] == e * sb:
+    for n, (e, sa, sb) in enumerate(dims):
+        if merged and not (keep_rows and n == 1) and merged[-1][1] == e * sa \
+                and merged[-1][2] == e * sb:
             pe, _, _ = merged[-1]
             merged[-1] = (pe * e, sa, sb)
         else:
@@ -174,9 +177,10 @@ def _dma(op, unit, kinds, tcm):
     dshape = [int(s) for s in dbox.buffer.shape]
     dst_strides = _row_major_strides(dshape)
     d_off = sum(l * s for l, s in zip(dbox.lo, dst_strides))
-    rows, cols, rs_d, rs_t, offs = _pieces(dbox.extents, dst_strides, tb.strides())
-    ch = int(unit[3:])
     v = _valid_start(op)
+    rows, cols, rs_d, rs_t, offs = _pieces(dbox.extents, dst_strides, tb.strides(),
+                                           keep_rows=v is not None)
+    ch = int(unit[3:])
     # the runtime repeat count: rows past the valid length are not transferred
     valid = None if v is None or len(offs) > 1 else v[0] - v[1]
     cmds = []

@@ -6,7 +6,9 @@ drained first, the heart of double buffering), a write after a write. Each op wa
 the latest conflicting op of every other unit, unless it already knows that op finished
 (vector clocks: what an op's waits imply transitively), so the stream carries few events.
 TCM conflicts are computed per (buffer, slot) in footprint-relative coordinates, since
-every instance that rotates into a slot reuses the same bytes.
+every instance that rotates into a slot reuses the same bytes. Buffers whose lifetimes do
+not overlap may share bytes (``tcm_alloc``): an access of the later one is also ordered
+after the last accesses, per unit, of the earlier one's overlapping slots.
 """
 from __future__ import annotations
 
@@ -39,8 +41,27 @@ def _overlap(lo1, hi1, lo2, hi2) -> bool:
     return True
 
 
+def _slot_range(tb, slot) -> tuple:
+    base = tb.offset + slot * tb.slot_stride
+    return base, base + tb.slot_bytes
+
+
+def _earlier_sharers(tcm: dict) -> dict:
+    """(buffer, slot) -> the (buffer, slot)s of buffers dead before it that share its bytes."""
+    out: dict = {}
+    for b in tcm.values():
+        for s in range(b.slots):
+            lo, hi = _slot_range(b, s)
+            out[(b.name, s)] = [(a.name, t) for a in tcm.values() if a.last_op < b.first_op
+                                for t in range(a.slots)
+                                if _slot_range(a, t)[0] < hi and lo < _slot_range(a, t)[1]]
+    return out
+
+
 def insert_events(ops, units: dict, kinds: dict, tcm: dict):
     """Returns (waits, signals): op index -> list of event ids."""
+    sharers = _earlier_sharers(tcm)
+    last_use: dict = {}     # (buffer, slot) -> {unit: (last access op, last write op)}
     names = sorted(set(units.values()))
     known = {u: {v: -1 for v in names} for u in names}
     done_known: dict = {}
@@ -57,6 +78,13 @@ def insert_events(ops, units: dict, kinds: dict, tcm: dict):
                 if pu != u and (write or pw) and _overlap(lo, hi, plo, phi):
                     if p > need.get(pu, -1):
                         need[pu] = p
+        slots = [(key[1], key[2], write) for key, _, _, write in acc if key[0] == "tcm"]
+        for name, slot, write in slots:
+            for prev in sharers.get((name, slot), ()):
+                for pu, (p_any, p_write) in last_use.get(prev, {}).items():
+                    p = p_any if write else p_write
+                    if pu != u and p > need.get(pu, -1):
+                        need[pu] = p
         k = dict(known[u])
         for pu, p in sorted(need.items(), key=lambda x: -x[1]):
             if k[pu] >= p:
@@ -72,6 +100,9 @@ def insert_events(ops, units: dict, kinds: dict, tcm: dict):
         done_known[op.index] = k
         for key, lo, hi, write in acc:
             history.setdefault(key, []).append((op.index, u, lo, hi, write))
+        for name, slot, write in slots:
+            use = last_use.setdefault((name, slot), {})
+            use[u] = (op.index, op.index if write else use.get(u, (-1, -1))[1])
         if count % 64 == 63:
             floor = {v: min(known[w][v] for w in names) for v in names}
             for key, lst in history.items():

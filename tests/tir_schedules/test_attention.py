@@ -1,0 +1,211 @@
+"""Attention and KV-append templates: lowered with lower_primfunc, run on the emulator,
+compared with numpy (fp16 data, fp32 softmax)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from edgetvm.errors import InvalidProgramError
+from edgetvm.target.emulator import Emulator
+from edgetvm.target.isa import DmaLoad, Mma
+from edgetvm.target.lowering import lower_primfunc
+from edgetvm.target.spec import load_spec
+from edgetvm.tir_schedules.attention import (ATTENTION_LOWERING, schedule_decode_attention,
+                                             schedule_prefill_attention)
+from edgetvm.tir_schedules.kv_cache import (KV_APPEND_LOWERING, KVCacheLayout,
+                                            append_reference, gather_reference,
+                                            schedule_kv_append)
+
+SMOLLM2 = (9, 3, 64)        # query heads, kv heads, head_dim
+TINY_LLAMA = (8, 4, 32)
+P = 16
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_spec("edge-npu-16mb")
+
+
+def _cache(layout, seed=0):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal(layout.shape).astype(np.float16)
+    v = rng.standard_normal(layout.shape).astype(np.float16)
+    pages = [int(x) for x in rng.permutation(layout.num_pages)]
+    return k, v, pages
+
+
+def _attention_ref(q, k, v, pos, group):
+    """q (C, Hq, D); k, v (Hkv, L, D); query c sees keys <= pos + c."""
+    c, hq, d = q.shape
+    length = k.shape[1]
+    out = np.zeros((c, hq, d), np.float32)
+    visible = np.arange(length)[None, :] <= pos + np.arange(c)[:, None]
+    for h in range(hq):
+        s = q[:, h].astype(np.float32) @ k[h // group].astype(np.float32).T / np.sqrt(d)
+        s = np.where(visible, s, -np.inf)
+        w = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = (w / w.sum(axis=1, keepdims=True)) @ v[h // group].astype(np.float32)
+    return out
+
+
+def _close(got, ref):
+    np.testing.assert_allclose(got.astype(np.float32), ref, rtol=1e-2, atol=1e-2)
+
+
+# -- KV append ----------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens,n_new", [(1, 1), (5, 4)])
+def test_kv_append_writes_only_new_tokens(spec, tokens, n_new):
+    lay = KVCacheLayout(kv_heads=3, head_dim=64, num_pages=40)
+    sch = schedule_kv_append(lay, tokens, spec)
+    prog = lower_primfunc(sch.mod["main"], spec, "kv_append", **KV_APPEND_LOWERING)
+    k0, v0, pages = _cache(lay)
+    rng = np.random.default_rng(1)
+    kn = rng.standard_normal((tokens, 3, 1, 64)).astype(np.float16)
+    vn = rng.standard_normal((tokens, 3, 1, 64)).astype(np.float16)
+    written = []
+    for pos in (14, 600):                  # short and long past: same bytes written
+        emu = Emulator(spec)
+        r = emu.run(prog, {"K_cache": k0, "V_cache": v0, "k_new": kn, "v_new": vn},
+                    params=lay.slot_params(pages, pos, tokens, n_new))
+        np.testing.assert_array_equal(emu.state["K_cache"],
+                                      append_reference(k0, kn[:n_new, :, 0], pages, pos))
+        np.testing.assert_array_equal(emu.state["V_cache"],
+                                      append_reference(v0, vn[:n_new, :, 0], pages, pos))
+        written.append(r.counters.dram_write_bytes)
+    assert written[0] == written[1] == 2 * n_new * 3 * 64 * 2
+
+
+# -- decode -------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape,max_pages,tile_kv,slots_kv,lengths", [
+    (SMOLLM2, 8, 32, 2, (77, 128)),        # two pages per tile, double-buffered
+    (SMOLLM2, 4, 64, 1, (5, 61)),          # one tile = the whole capacity
+    (TINY_LLAMA, 6, 16, 2, (96, 33)),      # one page per tile
+])
+def test_decode_attention(spec, shape, max_pages, tile_kv, slots_kv, lengths):
+    hq, hk, d = shape
+    lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 3, page_tokens=P)
+    sch = schedule_decode_attention(lay, hq, max_pages, spec, tile_kv=tile_kv,
+                                    slots_kv=slots_kv, slots_s=2)
+    prog = lower_primfunc(sch.mod["main"], spec, "decode_attention", outputs=["out"],
+                          **ATTENTION_LOWERING)
+    k, v, pages = _cache(lay)
+    pages = pages[:max_pages]
+    q = np.random.default_rng(2).standard_normal((hq, d)).astype(np.float16)
+    emu = Emulator(spec)
+    reads = []
+    for length in lengths:                 # one static program, two valid lengths
+        params = {**lay.page_table_params(pages, max_pages), "valid_len": length}
+        r = emu.run(prog, {"K_cache": k, "V_cache": v, "q": q}, params=params)
+        ref = _attention_ref(q[None], gather_reference(k, pages, length),
+                             gather_reference(v, pages, length), length - 1, hq // hk)[0]
+        _close(r.outputs["out"], ref)
+        reads.append(r.counters.dram_read_bytes)
+        # K/V bytes read grow with the valid length, not the capacity
+        assert r.counters.dram_read_bytes == 2 * hq * d + 2 * hk * length * d * 2
+    assert reads[0] != reads[1]
+
+
+def test_append_then_decode_shares_the_cache_state(spec):
+    hq, hk, d = TINY_LLAMA
+    lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=6, page_tokens=P)
+    append = lower_primfunc(schedule_kv_append(lay, 1, spec).mod["main"], spec, "append",
+                            **KV_APPEND_LOWERING)
+    decode = lower_primfunc(schedule_decode_attention(lay, hq, 4, spec, tile_kv=32).mod["main"],
+                            spec, "decode", outputs=["out"], **ATTENTION_LOWERING)
+    k, v, pages = _cache(lay)
+    pages = pages[:4]
+    rng = np.random.default_rng(3)
+    kn, vn = (rng.standard_normal((1, hk, 1, d)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((hq, d)).astype(np.float16)
+    emu = Emulator(spec)
+    pos = 40
+    emu.run(append, {"K_cache": k, "V_cache": v, "k_new": kn, "v_new": vn},
+            params=lay.slot_params(pages, pos, 1))
+    r = emu.run(decode, {"q": q},
+                params={**lay.page_table_params(pages, 4), "valid_len": pos + 1})
+    k2 = append_reference(k, kn[:, :, 0], pages, pos)
+    v2 = append_reference(v, vn[:, :, 0], pages, pos)
+    ref = _attention_ref(q[None], gather_reference(k2, pages, pos + 1),
+                         gather_reference(v2, pages, pos + 1), pos, hq // hk)[0]
+    _close(r.outputs["out"], ref)
+
+
+# -- prefill ------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape,tokens,tile_q,tile_kv", [
+    (SMOLLM2, 100, 32, 32),                # non-divisible length
+    (SMOLLM2, 48, 48, 48),                 # tiles = the whole length
+    (TINY_LLAMA, 77, 32, 16),
+])
+def test_prefill_attention_causal(spec, shape, tokens, tile_q, tile_kv):
+    hq, hk, d = shape
+    max_pages = -(-tokens // P)
+    lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
+    sch = schedule_prefill_attention(lay, hq, tokens, spec, tile_q=tile_q, tile_kv=tile_kv,
+                                     slots_kv=2, slots_s=2)
+    prog = lower_primfunc(sch.mod["main"], spec, "prefill_attention", outputs=["out"],
+                          **ATTENTION_LOWERING)
+    k, v, pages = _cache(lay)
+    pages = pages[:max_pages]
+    q = np.random.default_rng(4).standard_normal((tokens, hq, d)).astype(np.float16)
+    r = Emulator(spec).run(prog, {"K_cache": k, "V_cache": v, "q": q},
+                           params=lay.page_table_params(pages, max_pages))
+    ref = _attention_ref(q, gather_reference(k, pages, tokens),
+                         gather_reference(v, pages, tokens), 0, hq // hk)
+    _close(r.outputs["out"], ref)
+    # tiles strictly above the diagonal are not emitted: QK^T MMAs per (kv head, q head)
+    n_q = -(-tokens // tile_q)
+    emitted = sum(-(-min(tokens, (i + 1) * tile_q) // tile_kv) for i in range(n_q))
+    assert sum(isinstance(c, Mma) and c.transpose_b for c in prog.commands) == emitted * hq
+
+
+@pytest.mark.parametrize("shape,chunk,max_pages,positions", [
+    (SMOLLM2, 32, 8, (96, 5)),
+    (TINY_LLAMA, 32, 6, (64, 17)),
+])
+def test_chunked_prefill_attention(spec, shape, chunk, max_pages, positions):
+    hq, hk, d = shape
+    lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
+    sch = schedule_prefill_attention(lay, hq, chunk, spec, tile_q=16, tile_kv=32,
+                                     chunked=True, max_pages=max_pages)
+    prog = lower_primfunc(sch.mod["main"], spec, "chunked_prefill", outputs=["out"],
+                          **ATTENTION_LOWERING)
+    k, v, pages = _cache(lay)
+    pages = pages[:max_pages]
+    q = np.random.default_rng(5).standard_normal((chunk, hq, d)).astype(np.float16)
+    emu = Emulator(spec)
+    for pos in positions:                  # one static program, two chunk positions
+        length = pos + chunk
+        params = {**lay.page_table_params(pages, max_pages), "pos": pos, "valid_len": length}
+        r = emu.run(prog, {"K_cache": k, "V_cache": v, "q": q}, params=params)
+        ref = _attention_ref(q, gather_reference(k, pages, length),
+                             gather_reference(v, pages, length), pos, hq // hk)
+        _close(r.outputs["out"], ref)
+        assert r.counters.commands_skipped > 0      # KV tiles past the chunk's diagonal
+
+
+# -- the race check -----------------------------------------------------------------------
+def test_double_buffered_attention_without_an_event_is_refused(spec):
+    hq, hk, d = SMOLLM2
+    lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=8, page_tokens=P)
+    sch = schedule_decode_attention(lay, hq, 8, spec, tile_kv=32, slots_kv=2)
+    prog = lower_primfunc(sch.mod["main"], spec, "decode_attention", outputs=["out"],
+                          **ATTENTION_LOWERING)
+    k, v, pages = _cache(lay)
+    params = {**lay.page_table_params(pages, 8), "valid_len": 128}
+    inputs = {"K_cache": k, "V_cache": v, "q": np.zeros((hq, d), np.float16)}
+    Emulator(spec).run(prog, inputs, params=params)            # the real program is fine
+    # the QK^T of the second K tile: drop its wait on the DMA that filled that tile
+    cmds = prog.commands
+    mmas = [i for i, c in enumerate(cmds) if isinstance(c, Mma) and c.transpose_b]
+    i = mmas[1]
+    tile = cmds[i].b
+    fill = [j for j in range(i) if isinstance(cmds[j], DmaLoad) and
+            tile.offset <= cmds[j].dst.offset < tile.end]
+    event = next(e for e in cmds[i].wait if any(e in cmds[j].signal for j in fill))
+    broken = list(cmds)
+    broken[i] = dataclasses.replace(cmds[i], wait=tuple(w for w in cmds[i].wait if w != event))
+    bad = dataclasses.replace(prog, commands=broken, name="decode_attention_broken")
+    with pytest.raises(InvalidProgramError, match="race"):
+        Emulator(spec).run(bad, inputs, params=params)

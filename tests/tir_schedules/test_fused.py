@@ -1,0 +1,236 @@
+"""Fusion clusters: a chain of ops as one kernel with the intermediates in TCM, checked
+against numpy, against the same ops run as separate kernels (DRAM bytes), and against a
+TCM too small for it."""
+import numpy as np
+import pytest
+import tvm
+from tvm import s_tir
+
+from edgetvm.errors import CandidateRejected
+from edgetvm.target.emulator import Emulator
+from edgetvm.target.emulator.functional import dequant_w4
+from edgetvm.target.spec import load_spec
+from edgetvm.tir_schedules import fused
+from edgetvm.tir_schedules.fused import FusionCluster, Stage
+
+SPEC = load_spec("edge-npu-16mb")
+F32 = np.float32
+# SmolLM2-135M: hidden 576, 9 query heads / 3 kv heads of 64, MLP 1536
+HIDDEN, N_Q, N_KV, HEAD_DIM, INTER, GROUP = 576, 9, 3, 64, 1536, 32
+
+
+def _data(cluster, seed=0):
+    rng = np.random.default_rng(seed)
+    d = {}
+    for name, (shape, dtype) in cluster.tensors.items():
+        if dtype == "uint8":
+            d[name] = rng.integers(0, 256, shape, dtype=np.uint8)
+        elif name.endswith("_s"):                           # W4 group scales
+            d[name] = (rng.random(shape) * 0.02 + 0.01).astype(np.float16)
+        else:
+            d[name] = rng.standard_normal(shape).astype(np.float16)
+    return d
+
+
+def _inputs(cluster, d):
+    return {n: d[n] for n in cluster.tensors if n not in cluster.consts}
+
+
+def _lower(cluster, d, spec=SPEC, seed=1, **knobs):
+    sch = s_tir.Schedule(tvm.IRModule({"main": cluster.prim_func()}), seed=seed)
+    fused.schedule_cluster(sch, **knobs)
+    return fused.lower_cluster(cluster, sch, spec, d)
+
+
+def _run(cluster, d, **knobs):
+    program = _lower(cluster, d, **knobs)
+    return program, Emulator(SPEC).run(program, _inputs(cluster, d))
+
+
+def _r16(a):          # an fp16 intermediate, as the kernel stores it
+    return a.astype(np.float16).astype(F32)
+
+
+def _lin(x, d, p):
+    return x @ dequant_w4(d[f"{p}_w"], d[f"{p}_s"], None, GROUP).T
+
+
+def _rope(t, cos, sin):
+    m = t.shape[0]
+    t = t.reshape(m, -1, HEAD_DIM)
+    h = HEAD_DIM // 2
+    rot = np.concatenate([-t[..., h:], t[..., :h]], -1)
+    return (t * cos.astype(F32)[:, None] + rot * sin.astype(F32)[:, None]).reshape(m, -1)
+
+
+def _qkv_ref(d):
+    x = d["x"].astype(F32)
+    xn = _r16(x / np.sqrt((x * x).mean(1, keepdims=True) + 1e-5) * d["norm_w"].astype(F32))
+    q, k, v = (_r16(_lin(xn, d, p)) for p in "qkv")
+    return {"q_rot": _rope(q, d["cos"], d["sin"]), "k_rot": _rope(k, d["cos"], d["sin"]),
+            "v_lin": v}
+
+
+def _mlp_ref(d):
+    x = d["x"].astype(F32)
+    g, u = _r16(_lin(x, d, "gate")), _r16(_lin(x, d, "up"))
+    return {"down": _lin(_r16(g / (1 + np.exp(-g)) * u), d, "down")}
+
+
+def _check(outputs, ref):
+    for name, want in ref.items():
+        got = outputs[name].astype(F32)
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max(),
+                                   err_msg=name)
+
+
+def _mm(names, **knobs):
+    return {n: dict(knobs) for n in names}
+
+
+QKV = ("q_lin", "k_lin", "v_lin")
+MLP = ("gate", "up", "down")
+
+
+@pytest.mark.parametrize("m,knobs", [
+    (1, dict(tile_m=1, slots_in=1, slots_out=2, dma_split=1,           # decode
+             matmul=_mm(QKV, tile_n=192, tile_k=576, slots_w=2, slots_c=2))),
+    (3, dict(tile_m=2, slots_in=2, slots_out=2, dma_split=0,           # ragged rows, ragged N
+             matmul=_mm(QKV, tile_n=128, tile_k=192, slots_w=2, slots_c=1))),
+])
+def test_norm_qkv_rope_cluster(m, knobs):
+    cluster = fused.norm_qkv_rope_cluster(m, HIDDEN, N_Q, N_KV, HEAD_DIM, GROUP)
+    d = _data(cluster)
+    program, r = _run(cluster, d, **knobs)
+    _check(r.outputs, _qkv_ref(d))
+    assert {t.name for t in program.tensors_of("output")} == \
+        {"q_rot", "k_rot", "v_lin"}
+    # xn and the projections never reach DRAM
+    assert not {"xn", "q_lin", "k_lin"} & set(program.tensors)
+
+
+@pytest.mark.parametrize("m,knobs", [
+    (1, dict(tile_m=1, slots_in=1, slots_out=2, dma_split=1,           # decode
+             matmul=_mm(MLP, tile_n=256, tile_k=512, slots_w=2, slots_c=2))),
+    (5, dict(tile_m=5, slots_in=1, slots_out=1, dma_split=0,           # whole rows, whole K
+             matmul={"gate": dict(tile_n=1536, tile_k=576, slots_w=1, slots_c=1),
+                     "up": dict(tile_n=200, tile_k=288, slots_w=2, slots_c=2),
+                     "down": dict(tile_n=576, tile_k=1536, slots_w=1, slots_c=1)})),
+])
+def test_mlp_cluster(m, knobs):
+    cluster = fused.mlp_cluster(m, HIDDEN, INTER, GROUP)
+    d = _data(cluster)
+    _, r = _run(cluster, d, **knobs)
+    _check(r.outputs, _mlp_ref(d))
+
+
+def test_generic_chain_layer_norm_linear_gelu_residual():
+    """Any chain of PIECES fuses: LayerNorm -> fp16 linear -> GELU -> residual add."""
+    m, h = 6, 128
+    t = {"x": ((m, h), "float16"), "ln_w": ((h,), "float16"), "ln_b": ((h,), "float16"),
+         "fc_w": ((h, h), "float16")}
+    stages = [Stage("layer_norm", ("x", "ln_w", "ln_b"), "xn"),
+              Stage("linear_fp16", ("xn", "fc_w"), "fc"),
+              Stage("gelu", ("fc",), "act"),
+              Stage("add", ("act", "x"), "out")]
+    cluster = FusionCluster("ln_fc_gelu_res", t, stages, ("out",), ("ln_w", "ln_b", "fc_w"))
+    d = _data(cluster)
+    d["fc_w"] = (d["fc_w"] * np.float16(0.1)).astype(np.float16)
+    _, r = _run(cluster, d, tile_m=4, slots_in=2, slots_out=2, dma_split=0,
+                matmul={"fc": dict(tile_n=64, tile_k=64, slots_w=2, slots_c=2)})
+    from math import erf
+    x = d["x"].astype(F32)
+    xc = x - x.mean(1, keepdims=True)
+    xn = _r16(xc / np.sqrt((xc * xc).mean(1, keepdims=True) + 1e-5) * d["ln_w"].astype(F32)
+              + d["ln_b"].astype(F32))
+    fc = _r16(xn @ d["fc_w"].astype(F32).T)
+    act = _r16(0.5 * fc * (1 + np.vectorize(erf)(fc / np.sqrt(2))))
+    _check(r.outputs, {"out": act + x})
+
+
+def _separate(cluster, d, knobs):
+    """Run the cluster's ops as separate kernels; returns (outputs, list of counters)."""
+    env = dict(d)
+    counters = []
+    for k in cluster.split():
+        mm = {s: v for s, v in knobs.get("matmul", {}).items() if s == k.stages[0].output}
+        program = _lower(k, env, **{**knobs, "matmul": mm})
+        r = Emulator(SPEC).run(program, _inputs(k, env))
+        env.update(r.outputs)
+        counters.append(r.counters)
+    return env, counters
+
+
+def _bytes(names, d):
+    return sum(d[n].nbytes for n in names)
+
+
+@pytest.mark.parametrize("which", ["norm_qkv_rope", "mlp"])
+def test_fused_kernel_moves_fewer_dram_bytes_than_separate_kernels(which):
+    if which == "mlp":
+        cluster, ref_fn = fused.mlp_cluster(1, HIDDEN, INTER, GROUP), _mlp_ref
+        mm = _mm(MLP, tile_n=256, tile_k=512, slots_w=2, slots_c=2)
+    else:
+        cluster, ref_fn = fused.norm_qkv_rope_cluster(1, HIDDEN, N_Q, N_KV, HEAD_DIM,
+                                                      GROUP), _qkv_ref
+        mm = _mm(QKV, tile_n=192, tile_k=576, slots_w=2, slots_c=2)
+    knobs = dict(tile_m=1, slots_in=1, slots_out=2, dma_split=1, matmul=mm)
+    d = _data(cluster)
+    _, fused_run = _run(cluster, d, **knobs)
+    env, separate = _separate(cluster, d, knobs)
+    ref = ref_fn(d)
+    _check(fused_run.outputs, ref)
+    _check({n: env[n] for n in cluster.outputs}, ref)
+
+    fused_bytes = fused_run.counters.dram_read_bytes + fused_run.counters.dram_write_bytes
+    split_bytes = sum(c.dram_read_bytes + c.dram_write_bytes for c in separate)
+    # every kernel moves each of its operands exactly once (decode: one row block) ...
+    assert fused_bytes == _bytes(cluster.tensors, d) + _bytes(cluster.outputs, env)
+    assert split_bytes == sum(_bytes(k.tensors, env) + _bytes(k.outputs, env)
+                              for k in cluster.split())
+    # ... so fusing saves exactly the intermediates' round trips and the re-read inputs
+    assert fused_bytes < split_bytes
+    inter = [s.output for s in cluster.stages if s.output not in cluster.outputs]
+    assert split_bytes - fused_bytes >= 2 * _bytes(inter, env)
+    assert fused_run.counters.total_cycles < sum(c.total_cycles for c in separate)
+
+
+def test_cluster_that_does_not_fit_the_tcm_is_rejected_naming_its_buffers():
+    cluster = fused.mlp_cluster(1, HIDDEN, INTER, GROUP)
+    d = _data(cluster)
+    knobs = dict(tile_m=1, slots_in=1, slots_out=2, dma_split=1,
+                 matmul=_mm(MLP, tile_n=512, tile_k=576, slots_w=2, slots_c=2))
+    assert _lower(cluster, d, **knobs).tcm_bytes > 96 * 1024      # fits the 16 MB TCM
+    small = SPEC.replace(tcm_bytes=96 * 1024)
+    with pytest.raises(CandidateRejected,
+                       match=r"fusion cluster 'mlp': TCM overflow.*gate_w_global\.tcm") as e:
+        _lower(cluster, d, spec=small, **knobs)
+    assert "act_global.tcm" in str(e.value) and "x_global.tcm" in str(e.value)
+
+
+@pytest.mark.parametrize("which", ["norm_qkv_rope", "mlp"])
+def test_random_knob_samples_lower_and_match(which):
+    m = 3
+    if which == "mlp":
+        cluster, ref_fn = fused.mlp_cluster(m, HIDDEN, INTER, GROUP), _mlp_ref
+    else:
+        cluster, ref_fn = fused.norm_qkv_rope_cluster(m, HIDDEN, N_Q, N_KV, HEAD_DIM,
+                                                      GROUP), _qkv_ref
+    d = _data(cluster, seed=4)
+    func = cluster.prim_func()
+    names = fused.knob_names(func)
+    streamed = ["slots_x"] if which == "mlp" else ["slots_x", "slots_cos", "slots_sin"]
+    stages = MLP if which == "mlp" else QKV
+    assert names == tuple(["tile_m"] + streamed + ["slots_out", "dma_split"] +
+                          [f"{s}.{k}" for s in stages for k in fused.MATMUL_KNOBS])
+    lowered = 0
+    for seed in (21, 22, 23, 24):
+        sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=seed)
+        fused.schedule_cluster(sch)
+        try:
+            program = fused.lower_cluster(cluster, sch, SPEC, d)
+        except CandidateRejected:
+            continue
+        _check(Emulator(SPEC).run(program, _inputs(cluster, d)).outputs, ref_fn(d))
+        lowered += 1
+    assert lowered >= 1
