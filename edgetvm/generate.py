@@ -67,15 +67,27 @@ def feeds_for(kv: KVSpec, ids, past_len: int, past: dict | None):
     return feeds
 
 
-def greedy(run, kv: KVSpec, prompt, max_new_tokens: int, on_step=None) -> list:
-    """Greedy decode with ``run(feeds) -> (outputs, meter | None)``; prefill = one call."""
+def greedy(run, kv: KVSpec, prompt, max_new_tokens: int, on_step=None,
+           chunk: int | None = None) -> list:
+    """Greedy decode with ``run(feeds) -> (outputs, meter | None)``.
+
+    The prompt is one prefill call, or with ``chunk`` a series of calls of at most
+    ``chunk`` tokens, each attending to the KV of the earlier ones (chunked prefill). A
+    record is kept per call; a chunk that does not end the prompt yields no token."""
     records, past, past_len = [], None, 0
-    ids = list(prompt)
-    for step in range(max_new_tokens):
+    prompt = list(prompt)
+    pieces = [prompt] if not chunk else [prompt[i:i + chunk]
+                                         for i in range(0, len(prompt), chunk)]
+    calls = [("prefill", p) for p in pieces]
+    token = None
+    generated = 0
+    while calls or generated < max_new_tokens:
+        phase, ids = calls.pop(0) if calls else ("decode", [token])
         outs, meter = run(feeds_for(kv, ids, past_len, past))
         logits = outs["logits"][0, -1]
         token = int(np.argmax(logits))
-        rec = StepRecord("prefill" if step == 0 else "decode", token, len(ids), past_len,
+        last_of_prompt = phase == "decode" or not calls
+        rec = StepRecord(phase, token if last_of_prompt else -1, len(ids), past_len,
                          logits=logits)
         if meter is not None:
             rec.npu_cycles, rec.dram_read_bytes = meter.cycles, meter.dram_read_bytes
@@ -85,8 +97,15 @@ def greedy(run, kv: KVSpec, prompt, max_new_tokens: int, on_step=None) -> list:
             on_step(rec)
         past = {n: outs[n] for names in kv.names for n in names[2:]}
         past_len += len(ids)
-        ids = [token]
+        if last_of_prompt:
+            generated += 1
+            if generated >= max_new_tokens:
+                break
     return records
+
+
+def tokens_of(records) -> list:
+    return [r.token for r in records if r.token >= 0]
 
 
 def onnxruntime_runner(model_path: str):

@@ -30,6 +30,7 @@ class KVState:
     page_tokens: int = PAGE_TOKENS
     length: int = 0                                   # tokens in the cache
     page_table: list = field(default_factory=list)
+    layer_len: dict = field(default_factory=dict)     # layer -> tokens on the device
 
     @property
     def num_pages(self) -> int:
@@ -45,6 +46,7 @@ class KVState:
     def reset(self) -> None:
         self.length = 0
         self.page_table = []
+        self.layer_len = {}
 
     def reserve(self, pos: int, tokens: int) -> None:
         """Make sure pages exist for tokens ``[pos, pos + tokens)``."""

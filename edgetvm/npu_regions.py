@@ -85,14 +85,22 @@ def _rows(shape) -> int:
     return int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
 
 
-def _linear_weight(args, attrs, first: int):
-    """(kind, tensors dict, consts dict, n) of the linear whose weight starts at args[first]."""
-    fmt = attrs.get("edgetvm.weight_format", "float32")
-    if fmt == "w4a16":
-        raise EdgeTVMError("W4A16 linears of imported MatMulNBits graphs are not offloaded yet")
-    w = np.asarray(args[first], dtype=np.float32)
-    k, n = w.shape
-    return n, k, {"w": np.ascontiguousarray(w.T.astype(F16))}
+def _w4_pack(packed, scales, n_to: int | None = None):
+    """MatMulNBits (N, blocks, block/2) uint8 + (N, blocks) scales -> the NPU's W (N, K'/2)
+    and S (N, K'/G) fp16 with K' = blocks * G (a partial last block is zero-padded by the
+    quantizer; the activation is padded with zeros to match). ``n_to`` pads output rows
+    with zero scales (their outputs are exactly 0)."""
+    n = packed.shape[0]
+    w = np.ascontiguousarray(packed.reshape(n, -1))
+    sc = np.asarray(scales, np.float32).reshape(n, -1).astype(F16)
+    if n_to is not None and n_to > n:
+        w = np.concatenate([w, np.zeros((n_to - n, w.shape[1]), np.uint8)])
+        sc = np.concatenate([sc, np.zeros((n_to - n, sc.shape[1]), F16)])
+    return w, sc
+
+
+def _w4_group(attrs, prefix="") -> int:
+    return int(attrs.get(f"edgetvm.{prefix}group_size", "0") or 0)
 
 
 def build_cluster(region, shapes: list):
@@ -103,11 +111,35 @@ def build_cluster(region, shapes: list):
     x_shape = shapes[0]
     m, h = _rows(x_shape), int(x_shape[-1])
     t = {"x": ((m, h), F16)}
+    if kind in ("linear", "lm_head") and _is_w4(attrs):
+        g = _w4_group(attrs)
+        w, sc = _w4_pack(a[1], a[2])
+        n, kp = w.shape[0], w.shape[1] * 2
+        t = {"x": ((m, kp), F16), "w": (w.shape, "uint8"), "s": (sc.shape, F16)}
+        stages = [Stage("linear_w4a16", ("x", "w", "s"), "y")]
+        return FusionCluster(kind, t, stages, ("y",), ("w", "s")), {"w": w, "s": sc}, \
+            {"y": (n, kp, g)}, m
     if kind in ("linear", "lm_head"):
-        n, k, consts = _linear_weight(a, attrs, 1)
+        w = np.asarray(a[1], dtype=np.float32)
+        k, n = w.shape
         t["w"] = ((n, k), F16)
         stages = [Stage("linear_fp16", ("x", "w"), "y")]
-        return FusionCluster(kind, t, stages, ("y",), ("w",)), consts, {"y": (n, k, 0)}, m
+        return FusionCluster(kind, t, stages, ("y",), ("w",)), \
+            {"w": np.ascontiguousarray(w.T.astype(F16))}, {"y": (n, k, 0)}, m
+    if kind == "mlp" and _is_w4(attrs, "gate_"):
+        g = _w4_group(attrs, "gate_")
+        wd, sd = _w4_pack(a[5], a[6])
+        inter = wd.shape[1] * 2                      # the down projection's padded K
+        wg, sg = _w4_pack(a[1], a[2], inter)
+        wu, su = _w4_pack(a[3], a[4], inter)
+        consts = {"wg": wg, "sg": sg, "wu": wu, "su": su, "wd": wd, "sd": sd}
+        t.update({n: (v.shape, str(v.dtype)) for n, v in consts.items()})
+        stages = [Stage("linear_w4a16", ("x", "wg", "sg"), "gt"),
+                  Stage("linear_w4a16", ("x", "wu", "su"), "up"),
+                  Stage("silu_mul", ("gt", "up"), "act"),
+                  Stage("linear_w4a16", ("act", "wd", "sd"), "y")]
+        mm = {"gt": (inter, h, g), "up": (inter, h, g), "y": (wd.shape[0], inter, g)}
+        return FusionCluster("mlp_w4a16", t, stages, ("y",), tuple(consts)), consts, mm, m
     if kind == "mlp":
         consts = {}
         for name, idx in (("wg", 1), ("wu", 2), ("wd", 3)):
@@ -139,10 +171,32 @@ def build_cluster(region, shapes: list):
     raise EdgeTVMError(f"no NPU kernel for region kind {kind!r}")
 
 
+def _is_w4(attrs, prefix="") -> bool:
+    return attrs.get(f"edgetvm.{prefix}weight_format") == "w4a16"
+
+
+def _w4_pairs_ok(args, pairs: int) -> bool:
+    """MatMulNBits weights as (packed uint8 (N, blocks, block/2), scales) pairs, no zero
+    points and no bias (what onnxruntime's default 4-bit quantizer writes)."""
+    if len(args) != 1 + 2 * pairs:
+        return False
+    for i in range(pairs):
+        w, sc = args[1 + 2 * i], args[2 + 2 * i]
+        if w is None or sc is None or w.dtype != np.uint8 or w.ndim != 3 or \
+                sc.size != w.shape[0] * w.shape[1]:
+            return False
+    return True
+
+
 def offloadable(region) -> bool:
     """Can this region run on the NPU? Decided from kind, attributes and constants only
     (shapes may be symbolic); everything else stays on the host."""
     kind, a, attrs = region.kind, region.args, region.attrs
+    if kind in ("linear", "lm_head") and _is_w4(attrs):
+        return _w4_pairs_ok(a, 1)
+    if kind == "mlp" and all(_is_w4(attrs, p) for p in ("gate_", "up_", "down_")):
+        return attrs.get("edgetvm.gated") == "1" and attrs.get("edgetvm.activation") == \
+            "silu" and _w4_pairs_ok(a, 3)
     if kind in ("linear", "lm_head"):
         return attrs.get("edgetvm.weight_format", "float32") in ("float32", "float16") and \
             len(a) == 2 and a[1] is not None and np.ndim(a[1]) == 2

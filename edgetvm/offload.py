@@ -36,6 +36,7 @@ class Region:
     symbol: str
     runtime_positions: list = field(default_factory=list)
     arg_names: list = field(default_factory=list)     # call-site names of Var arguments
+    arg_sources: list = field(default_factory=list)   # kind of the region producing each
 
 
 def _const_value(e):
@@ -120,4 +121,27 @@ def offload_regions(mod: tvm.IRModule, accept, prefix: str):
     mod = mod.clone() if hasattr(mod, "clone") else mod
     mod["main"] = main
     mod = relax.transform.DeadCodeElimination(["main"])(mod)
+    _record_sources(mod["main"], rw.regions)
     return mod, rw.regions
+
+
+def _record_sources(main, regions) -> None:
+    """For each offloaded call, which of its arguments another offloaded region produced
+    (e.g. attention's K/V come from KV-append regions)."""
+    by_symbol = {r.symbol: r for r in regions}
+    producer: dict = {}
+    for block in main.body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if not (isinstance(v, relax.Call) and v.args and
+                    isinstance(v.args[0], relax.ExternFunc)):
+                continue
+            region = by_symbol.get(str(v.args[0].global_symbol))
+            if region is None:
+                continue
+            producer[b.var] = region.kind
+            runtime = list(v.args[1:])
+            sources = [None] * len(region.args)
+            for pos, a in zip(region.runtime_positions, runtime):
+                sources[pos] = producer.get(a) if isinstance(a, relax.Var) else None
+            region.arg_sources = sources

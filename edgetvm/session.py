@@ -91,6 +91,7 @@ class NPUSession:
         self._programs: dict = {}
         self.meter = StepMeter()
         self.row_buckets = tuple(sorted(row_buckets))
+        self._max_tokens = max_tokens
         self.kv = self._kv_state(max_tokens)
         self._pending_kv: dict = {}
         self._attention_calls = 0
@@ -170,8 +171,14 @@ class NPUSession:
             names = [n for n in cluster.tensors if n not in cluster.consts][:len(arrays)]
             entry = self._programs[key] = (program, names)
         program, names = entry
-        feeds = {n: a.reshape(program.tensors[n].shape).astype(np.float16)
-                 for n, a in zip(names, arrays)}
+        feeds = {}
+        for n, a in zip(names, arrays):
+            want = program.tensors[n].shape
+            a = a.reshape(want[0], -1)
+            if a.shape[1] < want[1]:         # W4A16 K padded to whole quantization groups
+                a = np.concatenate([a, np.zeros((a.shape[0], want[1] - a.shape[1]), a.dtype)],
+                                   axis=1)
+            feeds[n] = a.astype(np.float16)
         res = self.emu.run(program, feeds)
         self.meter.add(region.kind, res.counters)
         return res.outputs["y"]
@@ -179,33 +186,44 @@ class NPUSession:
     def _rope_fn(self, region):
         """RoPE: the rotation runs on the NPU; the host builds the per-position cos/sin rows
         (``computes_cos_sin`` regions: cos/sin of position * inv_freq, a table lookup on a
-        device that stores the table) and does the head transpose (glue)."""
-        a = region.args
+        device that stores the table) and does the head transpose (glue).
+
+        The region's arguments differ between exports (symbolic or folded shapes, cos/sin
+        computed or given), so they are told apart by rank and dtype."""
+        computes = region.attrs.get("edgetvm.computes_cos_sin") == "1"
 
         def run(*args):
-            vals = [x.numpy() if hasattr(x, "numpy") else tuple(int(v) for v in x)
-                    for x in args]
-            full = list(a)
-            for pos, v in zip(region.runtime_positions, vals):
-                full[pos] = v
-            if region.attrs.get("edgetvm.computes_cos_sin") == "1":
-                inv_freq, _, pos_ids, c_mul, s_mul, x, shape = full
-                f = pos_ids.astype(np.float32)[:, :, None] * inv_freq.reshape(1, 1, -1)
+            runtime = [v.numpy() for v in args if hasattr(v, "numpy")]
+            consts = [v for v in region.args if isinstance(v, np.ndarray)]
+            arrays = runtime + consts
+            if computes:
+                pos_ids = next(v for v in runtime if v.dtype.kind in "iu")
+                inv = next(v for v in consts if v.dtype.kind == "f" and v.size > 1)
+                x = next(v for v in runtime if v.dtype.kind == "f" and v.ndim == 3)
+                scal = [float(v) for v in consts if v.ndim == 0 and v.dtype.kind == "f"]
+                c_mul, s_mul = scal if len(scal) == 2 else (1.0, 1.0)
+                f = pos_ids.astype(np.float32)[:, :, None] * inv.reshape(1, 1, -1)
                 emb = np.concatenate([f, f], axis=-1)
                 cos = (np.cos(emb) * c_mul).astype(np.float32)
                 sin = (np.sin(emb) * s_mul).astype(np.float32)
             else:
-                x, shape, cos4, sin4 = full
+                x = next(v for v in runtime if v.ndim == 3)
+                cos4, sin4 = [v for v in arrays if v.ndim == 4][:2]
                 cos, sin = cos4[:, 0], sin4[:, 0]
-            b, s, h, d = shape
+            b, s = x.shape[:2]
+            d = cos.shape[-1]
+            h = x.shape[-1] // d
+            cos = np.broadcast_to(cos, (b, s, d))
+            sin = np.broadcast_to(sin, (b, s, d))
             rows = b * s
             y = self._npu(region, [x.reshape(rows, h * d), cos.reshape(rows, d),
                                    sin.reshape(rows, d)])
             out = y.reshape(b, s, h, d).transpose(0, 2, 1, 3).astype(np.float32)
             out = tvm.runtime.tensor(np.ascontiguousarray(out))
-            if region.attrs.get("edgetvm.computes_cos_sin") == "1":
-                return tvm_ffi.convert([tvm.runtime.tensor(cos[:, None]),
-                                        tvm.runtime.tensor(sin[:, None]), out])
+            if computes:
+                return tvm_ffi.convert([tvm.runtime.tensor(np.ascontiguousarray(cos[:, None])),
+                                        tvm.runtime.tensor(np.ascontiguousarray(sin[:, None])),
+                                        out])
             return out
         return run
 
@@ -221,30 +239,32 @@ class NPUSession:
             new = next(a for i, a in enumerate(args) if i != past_at and hasattr(a, "numpy"))
             new = new.numpy()
             b, hk, _, d = past_shape
-            if new.ndim == 3:
-                # the projection output (b, s, heads * d): the region's reshape (+ the
-                # head transpose that constant folding drops when s == 1)
-                new = new.reshape(b, new.shape[1], hk, d).transpose(0, 2, 1, 3)
+            new = _heads_major(new, d)
             if new.ndim != 4 or new.shape[1] != hk or new.shape[3] != d:
                 raise EdgeTVMError(f"KV append region {region.index}: new tokens of shape "
                                    f"{new.shape} do not match the cache {past_shape}")
             s = new.shape[2]
             pos = past_shape[-2]
             pend = self._pending_kv.setdefault(layer, {})
-            pend[which] = new
+            pend[which] = (new, args[past_at])
             if len(pend) == 2:
                 self._append(layer, pend.pop("key"), pend.pop("value"), pos)
             present = past_shape[:-2] + (pos + s, d)
             return tvm.runtime.tensor(np.zeros(present, np.float32))
         return run
 
-    def _append(self, layer: int, k, v, pos: int) -> None:
+    def _append(self, layer: int, k_in, v_in, pos: int) -> None:
         kv = self.kv
+        (k, k_past), (v, v_past) = k_in, v_in
         s = k.shape[2]
         c = self.bucket(s)
         if pos == 0 and layer == 0:
             kv.reset()
         kv.reserve(pos, c)
+        if kv.layer_len.get(layer, 0) != pos:
+            # the caller brought its own past (e.g. a fixed-shape decode export): upload it
+            # into this layer's pages once; steps after that append on the device
+            self._upload_past(layer, k_past.numpy(), v_past.numpy())
         key = ("kv_append", c)
         base = self._programs.get(key)
         if base is None:
@@ -260,7 +280,19 @@ class NPUSession:
             feeds[name] = rows
         res = self.emu.run(program, feeds, params=kv.layout.slot_params(kv.page_table, pos, c, s))
         self.meter.add("kv_append", res.counters)
-        kv.length = max(kv.length, pos + s)
+        kv.layer_len[layer] = pos + s
+        kv.length = pos + s
+
+    def _upload_past(self, layer: int, k_past, v_past) -> None:
+        """Host -> device copy of a given past into the layer's pages (not NPU traffic)."""
+        kv = self.kv
+        for name, past in (("K_cache", k_past), ("V_cache", v_past)):
+            state = self.emu.state.get(kv.names(layer)[name])
+            if state is None or state.shape != kv.layout.shape:
+                state = self.emu.state[kv.names(layer)[name]] = np.zeros(kv.layout.shape,
+                                                                         np.float16)
+            for t in range(past.shape[2]):
+                state[kv.page_table[t // kv.page_tokens], :, t % kv.page_tokens] = past[0, :, t]
 
     def _layer_program(self, key, base, layer: int):
         lk = key + ("layer", layer)
@@ -274,23 +306,28 @@ class NPUSession:
         page table up to the valid length; prefill (and chunked prefill) is causal,
         flash-style, with the queries at ``pos``. Layers are the attention calls in order."""
         scale = float(region.attrs.get("edgetvm.scale", "nan"))
+        roles = attention_roles(region.func)
 
         def run(*args):
             layer = self._attention_calls
             self._attention_calls += 1
-            vals = [x.numpy() if hasattr(x, "numpy") else tuple(int(v) for v in x)
-                    for x in args]
-            full = list(region.args)
-            for pos, v in zip(region.runtime_positions, vals):
-                full[pos] = v
-            q, out_shape = full[5], full[11]
+            given = dict(zip(region.runtime_positions, args))
+            q = given[roles["q"]].numpy()
             b, hq, s, d = q.shape
+            if region.arg_sources[roles["k"]] != "kv_append":
+                # an export without past: this call's K/V are the whole sequence; they go
+                # into the pages like any append, then attention reads the pages
+                k, v = (_heads_major(given[roles[r]].numpy(), d) for r in ("k", "v"))
+                if self.kv is None:
+                    layers = sum(r.kind == "attention" for r in self.regions)
+                    self.kv = KVState(layers, k.shape[1], d, self._max_tokens)
+                empty = tvm.runtime.tensor(np.zeros(k.shape[:2] + (0, d), np.float32))
+                self._append(layer, (k, empty), (v, empty), 0)
             kv = self.kv
-            pos = kv.length - s
-            out = self._attend(layer, q[0].transpose(1, 0, 2), pos, scale if scale == scale
-                               else d ** -0.5)
+            out = self._attend(layer, q[0].transpose(1, 0, 2), kv.length - s,
+                               scale if scale == scale else d ** -0.5)
             return tvm.runtime.tensor(np.ascontiguousarray(
-                out.reshape(out_shape).astype(np.float32)))
+                out.reshape(b, s, hq * d).astype(np.float32)))
         return run
 
     def _attend(self, layer: int, q, pos: int, scale: float) -> np.ndarray:
@@ -331,6 +368,53 @@ class NPUSession:
 
 def _rows(shape) -> int:
     return int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+
+
+def _heads_major(x, head_dim: int):
+    """K/V as (b, kv_heads, s, head_dim): a projection output (b, s, heads * d) gets the
+    reshape and head transpose the region does (constant folding drops the transpose in
+    s == 1 exports, where it is the identity)."""
+    if x.ndim == 3:
+        b, s, n = x.shape
+        return x.reshape(b, s, n // head_dim, head_dim).transpose(0, 2, 1, 3)
+    return x
+
+
+_PASS_THROUGH = {"relax.reshape", "relax.permute_dims", "relax.expand_dims",
+                 "relax.broadcast_to", "relax.multiply", "relax.astype"}
+
+
+def attention_roles(func) -> dict:
+    """Which parameters of an attention region are q, k and v: trace the operands of its
+    two matmuls (``q @ k^T``, then ``p @ v``) back through layout ops and scalings."""
+    params = {p: i for i, p in enumerate(func.params)}
+    defs = {}
+    matmuls = []
+    for block in func.body.blocks:
+        for b in block.bindings:
+            defs[b.var] = b.value
+            if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == \
+                    "relax.matmul":
+                matmuls.append(b.value)
+
+    def tensor_arg(v):
+        # the operand that carries the data (not a scalar scale, not a shape)
+        for a in v.args:
+            if isinstance(a, relax.Var) and getattr(a.ty, "ndim", 0) >= 2:
+                return a
+        raise EdgeTVMError("attention region: cannot trace its q/k/v inputs")
+
+    def source(e):
+        while e not in params:
+            v = defs.get(e)
+            if not isinstance(v, relax.Call) or getattr(v.op, "name", "") not in _PASS_THROUGH:
+                raise EdgeTVMError("attention region: cannot trace its q/k/v inputs")
+            e = tensor_arg(v)
+        return params[e]
+    if len(matmuls) != 2:
+        raise EdgeTVMError(f"attention region with {len(matmuls)} matmuls (expected 2)")
+    return {"q": source(matmuls[0].args[0]), "k": source(matmuls[0].args[1]),
+            "v": source(matmuls[1].args[1])}
 
 
 def _past_input(region) -> tuple:
