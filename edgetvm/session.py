@@ -55,6 +55,7 @@ class StepMeter:
     energy_uj: float = 0.0
     kernels: int = 0
     cycles_by_kind: Counter = field(default_factory=Counter)
+    write_bytes_by_kind: Counter = field(default_factory=Counter)
 
     def add(self, kind: str, c) -> None:
         self.cycles += c.total_cycles
@@ -63,6 +64,7 @@ class StepMeter:
         self.energy_uj += c.energy_uj
         self.kernels += 1
         self.cycles_by_kind[kind] += c.total_cycles
+        self.write_bytes_by_kind[kind] += c.dram_write_bytes
 
 
 class NPUSession:

@@ -1,0 +1,147 @@
+"""End to end: ONNX LLM exports compiled for the NPU and run on the emulator, checked
+against onnxruntime (the reference)."""
+import os
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from edgetvm.errors import EdgeTVMError
+from edgetvm.generate import KVSpec, feeds_for, greedy, onnxruntime_runner, tokens_of
+from edgetvm.run import compare_logits, main
+from edgetvm.session import NPUSession
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WITH_PAST = os.path.join(REPO, "examples", "llama_tiny_with_past.onnx")
+SHARED = os.path.join(REPO, "..", "shared", "models")
+ATOL, RTOL = 1e-2, 1e-2
+
+
+def _shared(name):
+    p = os.path.join(SHARED, name)
+    if not os.path.exists(p):
+        pytest.skip(f"{p} not present (../shared/models is only on development machines)")
+    return p
+
+
+@pytest.fixture(scope="module")
+def session():
+    return NPUSession(WITH_PAST, "edge-npu-16mb", max_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def kv():
+    return KVSpec.of(WITH_PAST)
+
+
+def test_generation_matches_onnxruntime_across_page_and_bucket_boundaries(session, kv):
+    prompt = list(range(3, 17))                        # 14 tokens: 1 KV page of 16
+    recs = greedy(session, kv, prompt, 6)              # the cache grows to 20 tokens
+    ref = greedy(onnxruntime_runner(WITH_PAST), kv, prompt, 6)
+    assert tokens_of(recs) == tokens_of(ref)
+    ok, worst, allowed = compare_logits(recs, ref, ATOL, RTOL)
+    assert ok, (worst, allowed)
+    # decode crossed a KV page (16 tokens) and the decode capacity bucket (1 -> 2 pages)
+    assert session.kv.length == 19 and len(session.kv.page_table) == 2
+    assert {"decode_attention"} <= {k[0] for k in session._programs if isinstance(k, tuple)}
+    assert {k[1] for k in session._programs if k[0] == "decode_attention"} >= {1, 2}
+    assert all(r.npu_cycles > 0 for r in recs)
+
+
+def test_chunked_prefill_one_static_program(kv):
+    s = NPUSession(WITH_PAST, "edge-npu-16mb", max_tokens=256, row_buckets=(8,))
+    prompt = [int(x) for x in np.random.default_rng(1).integers(0, 2048, 21)]
+    recs = greedy(s, kv, prompt, 3, chunk=8)
+    ref = greedy(onnxruntime_runner(WITH_PAST), kv, prompt, 3, chunk=8)
+    assert tokens_of(recs) == tokens_of(ref)
+    assert [r.phase for r in recs[:3]] == ["prefill"] * 3        # 8 + 8 + 5 tokens
+    assert compare_logits(recs, ref, ATOL, RTOL)[0]
+    prefill_keys = {k for k in s._programs if k[0] == "prefill_attention"}
+    assert {k[1] for k in prefill_keys} == {8}                  # every chunk: 8-row program
+
+
+def test_kv_append_writes_do_not_grow_with_past(session, kv):
+    session.reset()
+    recs = []
+
+    def keep(rec):
+        recs.append(dict(session.meter.write_bytes_by_kind))
+    greedy(session, kv, [5, 6, 7], 40, on_step=keep)
+    kv_bytes = [r["kv_append"] for r in recs[1:]]               # decode steps, past 3..41
+    per_token = 2 * 2 * session.kv.kv_heads * session.kv.head_dim * 2  # layers x K,V x fp16
+    assert kv_bytes[0] == kv_bytes[-1] == per_token
+
+
+def test_padded_attention_mask_is_refused(session, kv):
+    feeds = feeds_for(kv, [1, 2, 3], 0, None)
+    feeds["attention_mask"][0, 0] = 0
+    with pytest.raises(EdgeTVMError, match="attention_mask"):
+        session(feeds)
+
+
+@pytest.mark.parametrize("name", ["llama_tiny_decode_p8.onnx", "llama_tiny_prefill_s8.onnx",
+                                  "llama_tiny_prefill_dynamic.onnx",
+                                  "llama_tiny_decode_p8_w4.onnx"])
+def test_other_exports_match_onnxruntime(name):
+    path = _shared(name)
+    s = NPUSession(path)
+    ref_sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in ref_sess.get_inputs():
+        shp = [d if isinstance(d, int) else (1 if "batch" in str(d) else 6) for d in i.shape]
+        if i.name == "input_ids":
+            feeds[i.name] = rng.integers(0, 2048, shp).astype(np.int64)
+        elif i.name == "attention_mask":
+            feeds[i.name] = np.ones(shp, np.int64)
+        elif i.name == "position_ids":
+            feeds[i.name] = (np.arange(shp[1]) + (8 if shp[1] == 1 else 0))[None]
+        else:
+            feeds[i.name] = rng.standard_normal(shp).astype(np.float32)
+    out, meter = s(feeds)
+    ref = ref_sess.run(None, feeds)[0]
+    assert np.abs(out["logits"] - ref).max() <= ATOL + RTOL * np.abs(ref).max()
+    kinds = {r.kind for r in s.regions}
+    assert {"linear", "mlp", "lm_head", "attention", "rms_norm", "rope"} <= kinds
+    assert meter.cycles > 0 and meter.kernels >= 20
+
+
+def test_w4a16_export_moves_fewer_bytes_than_fp32_export():
+    meters = []
+    for name in ("llama_tiny_decode_p8.onnx", "llama_tiny_decode_p8_w4.onnx"):
+        path = _shared(name)
+        s = NPUSession(path)
+        kv = KVSpec.of(path)
+        feeds = feeds_for(kv, [7], 8, {n: np.zeros((1, kv.kv_heads, 8, kv.head_dim),
+                                                   np.float32)
+                                       for names in kv.names for n in names[2:]})
+        meters.append(s(feeds)[1])
+    assert meters[1].dram_read_bytes < 0.45 * meters[0].dram_read_bytes
+    assert meters[1].cycles < meters[0].cycles
+
+
+def test_run_cli_check_onnx(capsys):
+    assert main([WITH_PAST, "--prompt-ids", "1,2,3,4", "--max-new-tokens", "3",
+                 "--check-onnx"]) == 0
+    out = capsys.readouterr().out
+    assert "ids identical" in out and "decode" in out and "npu_us" in out
+
+
+def test_run_cli_bad_input(capsys, tmp_path):
+    bad = tmp_path / "x.onnx"
+    bad.write_bytes(b"not onnx")
+    assert main([str(bad), "--prompt-ids", "1,2"]) == 2
+    assert "error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([WITH_PAST, "--prompt-ids", "a,b"])
+
+
+def test_smollm2_capital_of_france():
+    root = os.environ.get("EDGETVM_SMOLLM2", os.path.join(REPO, "..", "smollm2"))
+    path = os.path.join(root, "optimum_with_past", "model.onnx")
+    if not os.path.exists(path):
+        pytest.skip(f"SmolLM2 export not found at {path} (build it with "
+                    f"shared/tools/models/make_smollm2.sh or set EDGETVM_SMOLLM2)")
+    s = NPUSession(path, max_tokens=64)
+    recs = greedy(s, KVSpec.of(path), [1, 504, 3575, 282, 4649, 314], 2)
+    assert tokens_of(recs) == [7042, 30]                 # " Paris", as onnxruntime
