@@ -27,7 +27,7 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 
@@ -118,7 +118,8 @@ def _as_weight(value, length, source) -> float:
     except (TypeError, ValueError):
         raise BucketInputError(f"{source}: weight {value!r} of length {length} is not a number")
     if not math.isfinite(weight) or weight < 0:
-        raise BucketInputError(f"{source}: weight {value!r} of length {length} must be finite, >= 0")
+        raise BucketInputError(
+            f"{source}: weight {value!r} of length {length} must be finite, >= 0")
     return weight
 
 
@@ -206,7 +207,8 @@ class LatencyTable:
                 raise BucketInputError(f"{source}: length {l0} measured twice")
         for l, v in pairs:
             if not math.isfinite(v) or v < 0:
-                raise BucketInputError(f"{source}: latency {v!r} at length {l} must be finite, >= 0")
+                raise BucketInputError(
+                    f"{source}: latency {v!r} at length {l} must be finite, >= 0")
         self.lengths = np.array([l for l, _ in pairs], dtype=float)
         self.values = np.array([v for _, v in pairs])
         self.unit = unit

@@ -72,6 +72,20 @@ def search(func, schedule_fn, knob_names, lower_fn, run_fn, trials: int = 32, se
     probe = s_tir.Schedule(mod, seed=seed + 1)   # s_tir seeds start at 1
     schedule_fn(probe, **fixed)
     space = knob_space(probe, knob_names)
+    counter = iter(range(2, 1 << 30))
+
+    def build(knobs):
+        sch = s_tir.Schedule(mod, seed=seed + next(counter))
+        schedule_fn(sch, **knobs)
+        return lower_fn(sch.mod["main"])
+    return search_space(space, build, run_fn, trials, seed, progress)
+
+
+def search_space(space: dict, build_fn, run_fn, trials: int = 32, seed: int = 0,
+                 progress=None) -> SearchResult:
+    """The search loop over an explicit knob space (name -> candidate values).
+
+    ``build_fn(knobs) -> Program`` may raise :class:`CandidateRejected`."""
     points = list(itertools.product(*space.values()))
     rng = random.Random(seed)
     result = SearchResult(None)
@@ -81,10 +95,8 @@ def search(func, schedule_fn, knob_names, lower_fn, run_fn, trials: int = 32, se
         seen.add(values)
         cand = Candidate(dict(zip(space, values)))
         result.candidates.append(cand)
-        sch = s_tir.Schedule(mod, seed=seed + len(seen))
         try:
-            schedule_fn(sch, **cand.knobs)
-            cand.program = lower_fn(sch.mod["main"])
+            cand.program = build_fn(cand.knobs)
         except CandidateRejected as e:
             cand.rejected = str(e)
             return
