@@ -15,7 +15,8 @@ import tvm
 from tvm import s_tir
 
 from edgetvm.errors import CandidateRejected, EdgeTVMError
-from edgetvm.tir_schedules.fused import FusionCluster, Stage, lower_cluster, schedule_cluster
+from edgetvm.tir_schedules.fused import (FusionCluster, Stage, knob_names, lower_cluster,
+                                         schedule_cluster)
 
 F16 = "float16"
 
@@ -61,8 +62,13 @@ class KernelCache:
             zeros = {n: np.zeros(cluster.tensors[n][0], cluster.tensors[n][1])
                      for n in cluster.consts}
             err = None
+            func = cluster.prim_func()
+            elementwise = "tile_n" in knob_names(func)
             for knobs in _fit_knobs(m, matmuls):
-                sch = s_tir.Schedule(tvm.IRModule({"main": cluster.prim_func()}))
+                if elementwise:       # 2-D elementwise clusters also tile their columns
+                    knobs["tile_n"] = int(cluster.tensors["x"][0][-1])
+                # a fixed seed: every knob is given, and the result must not vary by run
+                sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
                 try:
                     schedule_cluster(sch, **knobs)
                     base = lower_cluster(cluster, sch, self.spec, zeros)
