@@ -91,6 +91,7 @@ class NPUSession:
         self.emu = Emulator(self.spec, profile)
         self.kernels = KernelCache(self.spec)
         self._programs: dict = {}
+        self._weights: dict = {}
         self.meter = StepMeter()
         self.row_buckets = tuple(sorted(row_buckets))
         self._max_tokens = max_tokens
@@ -169,6 +170,8 @@ class NPUSession:
         entry = self._programs.get(key)
         if entry is None:
             cluster, consts, matmuls, m = build_cluster(region, shapes)
+            # one weight pack per region, shared by the programs of every length bucket
+            consts = self._weights.setdefault(region.index, consts)
             program = self.kernels.build(cluster, consts, matmuls, m)
             names = [n for n in cluster.tensors if n not in cluster.consts][:len(arrays)]
             entry = self._programs[key] = (program, names)
