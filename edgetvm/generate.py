@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 
 from edgetvm.errors import ModelImportError
-from edgetvm.frontend.loader import _read_file
+from edgetvm.frontend.loader import read_onnx_file
 
 
 @dataclass
@@ -24,7 +24,7 @@ class KVSpec:
 
     @staticmethod
     def of(model_path: str) -> "KVSpec":
-        m = _read_file(model_path)
+        m = read_onnx_file(model_path)
         inputs = {i.name: i for i in m.graph.input}
         outputs = {o.name for o in m.graph.output}
         layers = sorted({int(g) for n in inputs for g in re.findall(r"past_key_values\.(\d+)\.key", n)})

@@ -76,7 +76,7 @@ def load_model(path_or_model) -> LoadedModel:
         model, source = path_or_model, "<ModelProto>"
     elif isinstance(path_or_model, (str, os.PathLike)):
         path = source = os.fspath(path_or_model)
-        model = _read_file(path)
+        model = read_onnx_file(path)
     else:
         raise ModelImportError(
             f"import_onnx expects a path or an onnx.ModelProto, got {type(path_or_model).__name__}"
@@ -89,7 +89,8 @@ def load_model(path_or_model) -> LoadedModel:
     return LoadedModel(model=model, source=source, opset=default_opset(model))
 
 
-def _read_file(path: str) -> onnx.ModelProto:
+def read_onnx_file(path: str) -> onnx.ModelProto:
+    """Read an ONNX file; a missing, empty, truncated or foreign file is a ModelImportError."""
     if not os.path.exists(path):
         raise ModelImportError(f"{path}: no such file")
     if os.path.isdir(path):
