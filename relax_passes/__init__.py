@@ -18,6 +18,7 @@ from .annotate_rms_norm import AnnotateRMSNorm
 from .annotate_rope import AnnotateRoPE
 from .remove_identity_casts import RemoveIdentityCasts
 from .pipeline import AnnotateLLMSemantics, semantic_passes
+from .quantize_w4a16 import QuantizeW4A16
 from .semantic_report import COVERAGE_DEFINITION, LayerSummary, SemanticReport, semantic_report
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "AnnotateRMSNorm",
     "AnnotateRoPE",
     "COVERAGE_DEFINITION",
+    "QuantizeW4A16",
     "RemoveIdentityCasts",
     "LayerSummary",
     "SemanticReport",

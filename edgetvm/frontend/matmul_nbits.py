@@ -70,6 +70,7 @@ def linear_w4a16_primfunc(
     zero_point_kind: str,
     has_bias: bool,
     dtype: str,
+    scale_dtype: str | None = None,
 ) -> tirx.PrimFunc:
     """The W4A16 linear kernel: ``Y[m, n] = sum_k A[m, k] * dequant(B)[n, k] (+ bias[n])``.
 
@@ -85,7 +86,10 @@ def linear_w4a16_primfunc(
     has_bias : bool
         Whether a ``(n,)`` bias is added.
     dtype : str
-        Activation, scale, bias and output type; accumulation is float32.
+        Activation, bias and output type; accumulation is float32.
+    scale_dtype : str, optional
+        Type of the scales (and float zero points); default ``dtype``. edgetvm's own
+        quantizer keeps float16 scales beside float32 activations.
 
     Returns
     -------
@@ -99,7 +103,8 @@ def linear_w4a16_primfunc(
     acc = "float32"
     a = te.placeholder((m, k), dtype, name="A")
     packed = te.placeholder((n, k_blocks, block_size // 2), "uint8", name="B")
-    scales = te.placeholder((n, k_blocks), dtype, name="scales")
+    scale_dtype = scale_dtype or dtype
+    scales = te.placeholder((n, k_blocks), scale_dtype, name="scales")
     params = [a, packed, scales]
 
     if zero_point_kind == "uint4":
@@ -110,7 +115,7 @@ def linear_w4a16_primfunc(
             return _nibble(zero_points[j, blk // 2], blk % 2).astype(acc)
 
     elif zero_point_kind == "float":
-        zero_points = te.placeholder((n, k_blocks), dtype, name="zero_points")
+        zero_points = te.placeholder((n, k_blocks), scale_dtype, name="zero_points")
         params.append(zero_points)
 
         def zero_point(j, blk):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ..isa import ITEMSIZE, DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector, eval_value
+from ..isa import ITEMSIZE, DmaLoad, DramRef, Mma, TcmRef, Vector, eval_value
 
 _F32 = np.float32
 
