@@ -248,7 +248,7 @@ def test_connection_errors_name_the_address(cluster):
     port = free_port()
     with pytest.raises(RunnerConnectionError, match=f"127.0.0.1:{port}"):
         RPCRunner("127.0.0.1", port, SPEC, key=KEY)
-    with pytest.raises(RunnerConnectionError, match=f"refused key 'wrong'"):
+    with pytest.raises(RunnerConnectionError, match="refused key 'wrong'"):
         RPCRunner("127.0.0.1", cluster["port"], SPEC, key="wrong")
     with pytest.raises(RunnerConnectionError, match=f"tracker at 127.0.0.1:{port}"):
         connect(f"tracker://127.0.0.1:{port}/{KEY}")
