@@ -6,7 +6,7 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
-from edgetvm.frontend.matmul_nbits import LINEAR_W4A16, linear_w4a16_primfunc
+from edgetvm.frontend.matmul_nbits import LINEAR_W4A16, _product, linear_w4a16_primfunc
 
 from .w4_pack import GROUP_SIZES, SCALE_RULES, pack_zero_points, quantize_w4
 
@@ -259,16 +259,3 @@ def _vocab_sizes(mod: tvm.IRModule) -> set:
         if isinstance(func, relax.Function):
             relax.analysis.post_order_visit(func, visit)
     return sizes
-
-
-def _product(dims):
-    """Product of shape dims; a plain int when all are static."""
-    static, symbolic = 1, None
-    for dim in dims:
-        if isinstance(dim, tirx.IntImm):
-            static *= int(dim)
-        else:
-            symbolic = dim if symbolic is None else symbolic * dim
-    if symbolic is None:
-        return static
-    return symbolic if static == 1 else symbolic * static

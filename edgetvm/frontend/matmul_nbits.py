@@ -232,7 +232,9 @@ def _as_2d_or_3d(bb: relax.BlockBuilder, expr: relax.Expr, shape: tuple[int, ...
 
 
 def _product(dims):
-    """Product of shape dims, kept a plain int when they are all static (the common case)."""
+    """Product of shape dims, kept a plain int when they are all static (the common case).
+
+    Shared with relax_passes.quantize_w4a16."""
     static = 1
     symbolic = None
     for dim in dims:
