@@ -119,7 +119,7 @@ def build_cluster(region, shapes: list):
     t = {"x": ((m, h), F16)}
     if kind in ("linear", "lm_head") and _is_w4(attrs):
         g = _w4_group(attrs)
-        w, sc = _w4_pack(a[1], a[2])
+        w, sc = _w4_pack(*_w4_pairs(a)[0])
         n, kp = w.shape[0], w.shape[1] * 2
         t = {"x": ((m, kp), F16), "w": (w.shape, "uint8"), "s": (sc.shape, F16)}
         stages = [Stage("linear_w4a16", ("x", "w", "s"), "y")]
@@ -134,10 +134,11 @@ def build_cluster(region, shapes: list):
             {"w": np.ascontiguousarray(w.T.astype(F16))}, {"y": (n, k, 0)}, m
     if kind == "mlp" and _is_w4(attrs, "gate_"):
         g = _w4_group(attrs, "gate_")
-        wd, sd = _w4_pack(a[5], a[6])
+        (pg, qg), (pu, qu), (pd, qd) = _w4_pairs(a)
+        wd, sd = _w4_pack(pd, qd)
         inter = wd.shape[1] * 2                      # the down projection's padded K
-        wg, sg = _w4_pack(a[1], a[2], inter)
-        wu, su = _w4_pack(a[3], a[4], inter)
+        wg, sg = _w4_pack(pg, qg, inter)
+        wu, su = _w4_pack(pu, qu, inter)
         consts = {"wg": wg, "sg": sg, "wu": wu, "su": su, "wd": wd, "sd": sd}
         t.update({n: (v.shape, str(v.dtype)) for n, v in consts.items()})
         stages = [Stage("linear_w4a16", ("x", "wg", "sg"), "gt"),
@@ -181,28 +182,53 @@ def _is_w4(attrs, prefix="") -> bool:
     return attrs.get(f"edgetvm.{prefix}weight_format") == "w4a16"
 
 
-def _w4_pairs_ok(args, pairs: int) -> bool:
-    """MatMulNBits weights as (packed uint8 (N, blocks, block/2), scales) pairs, no zero
-    points and no bias (what onnxruntime's default 4-bit quantizer writes)."""
-    if len(args) != 1 + 2 * pairs:
-        return False
-    for i in range(pairs):
-        w, sc = args[1 + 2 * i], args[2 + 2 * i]
-        if w is None or sc is None or w.dtype != np.uint8 or w.ndim != 3 or \
+def _w4_pairs(args) -> list | None:
+    """The region's MatMulNBits weights as (packed uint8 (N, blocks, block/2), scales)
+    pairs in argument order; None if there is anything else among its constants (zero
+    points, a bias, a float weight). Shape arguments of the glue reshapes are skipped."""
+    consts = [a for a in args[1:] if a is not None and np.ndim(a) > 0]
+    if len(consts) % 2:
+        return None
+    pairs = []
+    for w, sc in zip(consts[0::2], consts[1::2]):
+        if w.dtype != np.uint8 or w.ndim != 3 or sc.dtype.kind != "f" or \
                 sc.size != w.shape[0] * w.shape[1]:
-            return False
-    return True
+            return None
+        pairs.append((w, sc))
+    return pairs
+
+
+def passthrough_outputs(func) -> list | None:
+    """For a region that returns ``(reshape(x), y)`` (a linear whose input reshape other
+    regions share, as the W4A16 quantizer writes them): [True, False]; for a plain
+    single-output region: []; None for any other tuple."""
+    from tvm import relax
+
+    ret = func.ret_ty
+    if not isinstance(ret, relax.TupleType):
+        return []
+    defs = {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
+    out = func.body.body
+    flags = []
+    for f in getattr(out, "fields", ()):
+        v = defs.get(f)
+        flags.append(isinstance(v, relax.Call) and getattr(v.op, "name", "") ==
+                     "relax.reshape" and v.args[0].same_as(func.params[0]))
+    return flags if flags.count(False) == 1 and len(flags) == len(ret.fields) else None
 
 
 def offloadable(region) -> bool:
     """Can this region run on the NPU? Decided from kind, attributes and constants only
     (shapes may be symbolic); everything else stays on the host."""
     kind, a, attrs = region.kind, region.args, region.attrs
+    if kind in ("linear", "lm_head", "mlp", "residual_add", "rms_norm") and \
+            passthrough_outputs(region.func) is None:
+        return False
     if kind in ("linear", "lm_head") and _is_w4(attrs):
-        return _w4_pairs_ok(a, 1)
+        return len(_w4_pairs(a) or ()) == 1
     if kind == "mlp" and all(_is_w4(attrs, p) for p in ("gate_", "up_", "down_")):
         return attrs.get("edgetvm.gated") == "1" and attrs.get("edgetvm.activation") == \
-            "silu" and _w4_pairs_ok(a, 3)
+            "silu" and len(_w4_pairs(a) or ()) == 3
     if kind in ("linear", "lm_head"):
         return attrs.get("edgetvm.weight_format", "float32") in ("float32", "float16") and \
             len(a) == 2 and a[1] is not None and np.ndim(a[1]) == 2

@@ -64,6 +64,9 @@ def main(argv=None) -> int:
                     help="chunked prefill with chunks of C tokens")
     ap.add_argument("--max-tokens", type=int, default=1024,
                     help="KV cache capacity in tokens (default 1024)")
+    ap.add_argument("--quantize", type=int, choices=(32, 64, 128), default=None, metavar="G",
+                    help="quantize fp32/fp16 linears to W4A16 with group size G (32/64/128); "
+                         "--check-onnx then compares against the unquantized model")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1:
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
         print(f"compiling {args.model} for {args.target} ...", flush=True)
         extra = {"row_buckets": (args.chunk,)} if args.chunk else {}
         session = NPUSession(args.model, args.target, args.profile,
-                             max_tokens=args.max_tokens, **extra)
+                             max_tokens=args.max_tokens, quantize=args.quantize, **extra)
         print(f"{len(session.regions)} regions on the NPU; running "
               f"{args.max_new_tokens} step(s)", flush=True)
         print(f"{'step':<5} {'phase':<8} {'token':>7} {'npu_us':>10} {'npu_cycles':>11} "

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import relax
+from tvm import relax, tirx
 
 from edgetvm.errors import EdgeTVMError
 from edgetvm.frontend import import_onnx
-from edgetvm.relax_passes import AnnotateLLMSemantics
+from edgetvm.relax_passes import AnnotateLLMSemantics, QuantizeW4A16
 from edgetvm.target.emulator import Emulator
 from edgetvm.target.lowering import lower_primfunc
 from edgetvm.target.spec import load_spec
@@ -37,7 +37,7 @@ from edgetvm.tir_schedules.attention import (ATTENTION_LOWERING, schedule_decode
 from edgetvm.tir_schedules.kv_cache import KV_APPEND_LOWERING, schedule_kv_append
 
 from .kv_state import KVState, capacity_bucket
-from .npu_regions import KernelCache, build_cluster, offloadable
+from .npu_regions import KernelCache, build_cluster, offloadable, passthrough_outputs
 from .offload import offload_regions
 
 log = logging.getLogger("edgetvm")
@@ -71,13 +71,19 @@ class NPUSession:
     """Compile ``onnx_path`` for ``spec`` and run it with the NPU parts on the emulator."""
 
     def __init__(self, onnx_path, spec="edge-npu-16mb", profile=None, shape_overrides=None,
-                 max_tokens: int = 1024, row_buckets=(16, 32, 64, 128, 256, 512, 1024)):
+                 max_tokens: int = 1024, row_buckets=(16, 32, 64, 128, 256, 512, 1024),
+                 quantize: int | None = None):
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         t0 = time.time()
         self.imported = import_onnx(onnx_path, shape_overrides=shape_overrides)
         log.info("imported %s (%d ops) in %.1fs", onnx_path, sum(self.imported.op_histogram.values()),
                  time.time() - t0)
-        mod = AnnotateLLMSemantics()(self.imported.mod)
+        mod = self.imported.mod
+        if quantize:
+            # fp32/fp16 linears -> W4A16 with group ``quantize`` (symmetric, fp16 scales)
+            mod = QuantizeW4A16(group_size=quantize)(mod)
+            log.info("quantized linears to W4A16 (group %d)", quantize)
+        mod = AnnotateLLMSemantics()(mod)
         prefix = f"edgetvm.npu.s{next(_SESSION_IDS)}"
         mod, self.regions = offload_regions(mod, offloadable, prefix)
         log.info("offloaded %d regions to the NPU: %s", len(self.regions),
@@ -146,11 +152,21 @@ class NPUSession:
         if special is not None:
             return special(region)
 
+        passthrough = passthrough_outputs(region.func)
+        shapes = [tuple(int(d) if isinstance(d, (int, tirx.IntImm)) else -1
+                        for d in f.shape.values) for f in region.func.ret_ty.fields] \
+            if passthrough else []
+
         def run(*tensors):
-            arrays = [t.numpy() for t in tensors]
+            # shape arguments of the region's glue reshapes are not data
+            arrays = [t.numpy() for t in tensors if hasattr(t, "numpy")]
             y = self._npu(region, arrays)
-            return tvm.runtime.tensor(y.reshape(arrays[0].shape[:-1] + (y.shape[-1],))
-                                      .astype(np.float32))
+            y = y.reshape(arrays[0].shape[:-1] + (y.shape[-1],)).astype(np.float32)
+            if not passthrough:
+                return tvm.runtime.tensor(y)
+            x = arrays[0]
+            outs = [x.reshape(-1, x.shape[-1]) if p else y for p in passthrough]
+            return tvm_ffi.convert([tvm.runtime.tensor(np.ascontiguousarray(o)) for o in outs])
         return run
 
     def _npu(self, region, arrays) -> np.ndarray:
@@ -199,12 +215,16 @@ class NPUSession:
 
         def run(*args):
             runtime = [v.numpy() for v in args if hasattr(v, "numpy")]
+            shape4 = next((tuple(int(x) for x in v) for v in args
+                           if not hasattr(v, "numpy") and len(v) == 4), None)
             consts = [v for v in region.args if isinstance(v, np.ndarray)]
             arrays = runtime + consts
+            # the projection output: (b, s, heads * d), or (b * s, heads * d) after a
+            # quantized linear's reshape
+            x = next(v for v in runtime if v.dtype.kind == "f" and v.ndim in (2, 3))
             if computes:
                 pos_ids = next(v for v in runtime if v.dtype.kind in "iu")
                 inv = next(v for v in consts if v.dtype.kind == "f" and v.size > 1)
-                x = next(v for v in runtime if v.dtype.kind == "f" and v.ndim == 3)
                 scal = [float(v) for v in consts if v.ndim == 0 and v.dtype.kind == "f"]
                 c_mul, s_mul = scal if len(scal) == 2 else (1.0, 1.0)
                 f = pos_ids.astype(np.float32)[:, :, None] * inv.reshape(1, 1, -1)
@@ -212,12 +232,13 @@ class NPUSession:
                 cos = (np.cos(emb) * c_mul).astype(np.float32)
                 sin = (np.sin(emb) * s_mul).astype(np.float32)
             else:
-                x = next(v for v in runtime if v.ndim == 3)
                 cos4, sin4 = [v for v in arrays if v.ndim == 4][:2]
                 cos, sin = cos4[:, 0], sin4[:, 0]
-            b, s = x.shape[:2]
             d = cos.shape[-1]
-            h = x.shape[-1] // d
+            if shape4 is not None:
+                b, s, h, _ = shape4
+            else:
+                b, s, h = x.shape[0], x.shape[1], x.shape[-1] // d
             cos = np.broadcast_to(cos, (b, s, d))
             sin = np.broadcast_to(sin, (b, s, d))
             rows = b * s
