@@ -18,6 +18,7 @@ ANALYTIC placeholder and the output says so. ``--quick``: DP on the 16-token gri
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 import json
 import sys
@@ -38,6 +39,9 @@ SOURCE = {
     "one max_len bucket": (86.23, 19.139),
 }
 SOURCE_OPTIMISED = (256, 512, 768, 1152, 2048, 4096)
+#: the curve benchmarks/prefill_latency.py measured (SmolLM2-135M on edge-npu-16mb)
+MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                        "prefill_latency_smollm2_edge-npu-16mb.json")
 
 
 def main(argv=None) -> int:
@@ -45,12 +49,17 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--hist", metavar="FILE")
-    ap.add_argument("--latency-json", metavar="FILE")
+    ap.add_argument("--latency-json", metavar="FILE",
+                    default=MEASURED if os.path.exists(MEASURED) else None,
+                    help="measured (length, cycles) points (default: the shipped SmolLM2 "
+                         "curve); 'analytic' for the source-fitted placeholder")
     ap.add_argument("--variant-cost", type=float, default=None,
                     help="price of one more program, latency units (default 0.5%% of "
                          "latency(max_len))")
     ap.add_argument("--chunk", type=int, default=256, help="chunked-prefill chunk length")
     args = ap.parse_args(argv)
+    if args.latency_json == "analytic":
+        args.latency_json = None
 
     try:
         dist = load_histogram(args.hist) if args.hist else heavy_tailed_lengths()

@@ -233,7 +233,8 @@ def _benchmark_main():
 
 def test_benchmark_says_where_latency_comes_from(tmp_path, capsys):
     main = _benchmark_main()
-    assert main(["--quick", "--json", str(tmp_path / "a.json")]) == 0
+    assert main(["--quick", "--latency-json", "analytic", "--json",
+                 str(tmp_path / "a.json")]) == 0
     out = capsys.readouterr().out
     assert "latency source: ANALYTIC placeholder, not a measurement" in out
     assert json.loads((tmp_path / "a.json").read_text())["rows"][0]["variant_count"] == 6
@@ -241,3 +242,5 @@ def test_benchmark_says_where_latency_comes_from(tmp_path, capsys):
     lat.write_text(json.dumps([[l, 1000 + 50 * l] for l in (128, 512, 1024, 4096)]))
     assert main(["--quick", "--latency-json", str(lat)]) == 0
     assert f"latency source: measured on emulator from {lat}" in capsys.readouterr().out
+    assert main(["--quick"]) == 0              # default: the shipped measured curve
+    assert "prefill_latency_smollm2_edge-npu-16mb.json" in capsys.readouterr().out
