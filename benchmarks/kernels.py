@@ -37,8 +37,8 @@ from edgetvm.tir_schedules.attention import (ATTENTION_LOWERING, kv_tile_candida
 from edgetvm.tir_schedules.kv_cache import KVCacheLayout
 from edgetvm.tir_schedules.search import search, search_space
 
-SMOLLM2 = dict(model="SmolLM2-135M", hidden=576, mlp=1536, prefill=512, heads=(9, 3, 64))
-LLAMA7B = dict(model="Llama-7B-like", hidden=4096, mlp=11008, prefill=512, heads=(32, 32, 128))
+SMOLLM2 = dict(key="smollm2", model="SmolLM2-135M", hidden=576, mlp=1536, prefill=512, heads=(9, 3, 64))
+LLAMA7B = dict(key="llama7b", model="Llama-7B-like", hidden=4096, mlp=11008, prefill=512, heads=(32, 32, 128))
 
 
 @dataclass
@@ -145,9 +145,12 @@ def _attention_bench(model, heads, tokens, rng, prefill: bool, spec) -> Bench:
                  "fp16", min_bytes, None, {}, space, build, params)
 
 
-def benches(quick: bool, rng, spec) -> list:
+def benches(quick: bool, rng, spec, models=None, kernels=None) -> list:
     out = []
-    for cfg in [SMOLLM2] + ([] if quick else [LLAMA7B]):
+    cfgs = [SMOLLM2] + ([] if quick else [LLAMA7B])
+    if models:
+        cfgs = [c for c in (SMOLLM2, LLAMA7B) if c["key"] in models]
+    for cfg in cfgs:
         h, f, p = cfg["hidden"], cfg["mlp"], cfg["prefill"]
         for n, k in ((h, h), (f, h), (h, f)):
             out.append(_matmul_bench("w4a16", cfg["model"], 1, n, k, rng))
@@ -156,7 +159,7 @@ def benches(quick: bool, rng, spec) -> list:
         out.append(_attention_bench(cfg["model"], cfg["heads"], 1024, rng, False, spec))
         out.append(_attention_bench(cfg["model"], cfg["heads"], 128 if quick else 512, rng,
                                     True, spec))
-    return out
+    return [b for b in out if not kernels or b.kernel in kernels]
 
 
 def run_bench(b: Bench, spec, trials: int, seed: int) -> dict:
@@ -218,6 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default="edge-npu-16mb")
     ap.add_argument("--trials", type=int, default=None, help="candidates per kernel")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--models", default=None, help="comma list of smollm2,llama7b")
+    ap.add_argument("--kernels", default=None,
+                    help="comma list, e.g. gemv_w4a16,decode_attn (default: all)")
     args = ap.parse_args(argv)
     spec = load_spec(args.spec)
     trials = args.trials or (64 if args.quick else 96)
@@ -227,7 +233,9 @@ def main(argv=None) -> int:
            f"{'ratio':>6} {'target':>6} {'bound':>9} {'DB on/off':>9} {'err':>8}  knobs")
     print(f"kernels on {spec.name}, {trials} candidates each")
     print(hdr)
-    for b in benches(args.quick, rng, spec):
+    models = args.models.split(",") if args.models else None
+    kernels = args.kernels.split(",") if args.kernels else None
+    for b in benches(args.quick, rng, spec, models, kernels):
         r = run_bench(b, spec, trials, args.seed)
         rows.append(r)
         ok = "-" if r["meets_target"] is None else "ok" if r["meets_target"] else "MISS"
