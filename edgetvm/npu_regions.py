@@ -241,6 +241,9 @@ def offloadable(region) -> bool:
         return len(region.runtime_positions) == 1
     if kind == "residual_add":
         return len(region.runtime_positions) == 2
+    if kind == "embedding":
+        tables = [v for v in a if v is not None and np.ndim(v) == 2 and v.dtype.kind == "f"]
+        return len(tables) == 1
     if kind == "kv_append":            # must read a past_key_values input (with-past export)
         return any(n and n.startswith("past_key_values_") for n in region.arg_names)
     if kind == "rope":

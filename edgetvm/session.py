@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import relax, tirx
+from tvm import relax, s_tir, tirx
 
 from edgetvm.errors import EdgeTVMError
 from edgetvm.frontend import import_onnx
@@ -34,7 +34,9 @@ from edgetvm.target.lowering import lower_primfunc
 from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules.attention import (ATTENTION_LOWERING, schedule_decode_attention,
                                              schedule_prefill_attention)
+from edgetvm.tir_schedules.embedding import schedule_embedding
 from edgetvm.tir_schedules.kv_cache import KV_APPEND_LOWERING, schedule_kv_append
+from edgetvm.tir_schedules.workloads import embedding as embedding_workload
 
 from .kv_state import KVState, capacity_bucket
 from .npu_regions import KernelCache, build_cluster, offloadable, passthrough_outputs
@@ -148,7 +150,8 @@ class NPUSession:
 
     def _region_fn(self, region):
         special = {"kv_append": self._kv_append_fn, "rope": self._rope_fn,
-                   "attention": self._attention_fn}.get(region.kind)
+                   "attention": self._attention_fn,
+                   "embedding": self._embedding_fn}.get(region.kind)
         if special is not None:
             return special(region)
 
@@ -251,6 +254,37 @@ class NPUSession:
                                         tvm.runtime.tensor(np.ascontiguousarray(sin[:, None])),
                                         out])
             return out
+        return run
+
+    def _embedding_fn(self, region):
+        """Embedding gather on the NPU: one DMA per token from the table, at a DRAM offset
+        that is the token id (a runtime parameter), so one program serves every prompt of
+        its length bucket."""
+        table = next(v for v in region.args if v is not None and np.ndim(v) == 2)
+        vocab, hidden = table.shape
+
+        def run(*args):
+            ids = next(a.numpy() for a in args if hasattr(a, "numpy") and a.dtype.startswith(
+                "int") and len(a.shape) == 2)
+            b, s = ids.shape
+            flat = ids.reshape(-1)
+            flat = np.where(flat < 0, flat + vocab, flat)        # ONNX Gather: negative wraps
+            rows = b * s
+            c = self.bucket(rows)
+            key = ("embedding", region.index, c)
+            program = self._programs.get(key)
+            if program is None:
+                sch = s_tir.Schedule(tvm.IRModule({"main": embedding_workload(c, vocab,
+                                                                               hidden)}))
+                schedule_embedding(sch, tile_m=min(c, 16), slots_out=2, dma_split=1)
+                e16 = self._weights.setdefault(region.index, {"E": table.astype(np.float16)})
+                program = self._programs[key] = lower_primfunc(
+                    sch.mod["main"], self.spec, "embedding", consts=e16, runtime=["ids"])
+            params = {f"ids.{i}": int(flat[i]) if i < rows else 0 for i in range(c)}
+            res = self.emu.run(program, {}, params=params)
+            self.meter.add("embedding", res.counters)
+            out = res.outputs["out"][:rows].reshape(b, s, hidden).astype(np.float32)
+            return tvm.runtime.tensor(out)
         return run
 
     def _kv_append_fn(self, region):

@@ -102,7 +102,7 @@ def test_other_exports_match_onnxruntime(name):
     ref = ref_sess.run(None, feeds)[0]
     assert np.abs(out["logits"] - ref).max() <= ATOL + RTOL * np.abs(ref).max()
     kinds = {r.kind for r in s.regions}
-    assert {"linear", "mlp", "lm_head", "attention", "rms_norm", "rope"} <= kinds
+    assert {"embedding", "linear", "mlp", "lm_head", "attention", "rms_norm", "rope"} <= kinds
     assert meter.cycles > 0 and meter.kernels >= 20
 
 
