@@ -37,6 +37,8 @@ from edgetvm.tir_schedules.attention import (ATTENTION_LOWERING, kv_tile_candida
 from edgetvm.tir_schedules.kv_cache import KVCacheLayout
 from edgetvm.tir_schedules.search import search, search_space
 
+#: measurement budget: candidates with more tile operations are rejected unmeasured
+MAX_OPS = 20000
 SMOLLM2 = dict(key="smollm2", model="SmolLM2-135M", hidden=576, mlp=1536, prefill=512, heads=(9, 3, 64))
 LLAMA7B = dict(key="llama7b", model="Llama-7B-like", hidden=4096, mlp=11008, prefill=512, heads=(32, 32, 128))
 
@@ -128,7 +130,7 @@ def _attention_bench(model, heads, tokens, rng, prefill: bool, spec) -> Bench:
         def build(kn):
             return lower_primfunc(schedule_prefill_attention(lay, hq, tokens, spec, **kn)
                                   .mod["main"], spec, "prefill_attention", outputs=["out"],
-                                  **ATTENTION_LOWERING)
+                                  max_ops=MAX_OPS, **ATTENTION_LOWERING)
     else:
         space = {"tile_kv": kv_tiles, "slots_kv": [1, 2], "slots_s": [1, 2]}
         params["valid_len"] = tokens
@@ -138,7 +140,7 @@ def _attention_bench(model, heads, tokens, rng, prefill: bool, spec) -> Bench:
         def build(kn):
             return lower_primfunc(schedule_decode_attention(lay, hq, pages, spec, **kn)
                                   .mod["main"], spec, "decode_attention", outputs=["out"],
-                                  **ATTENTION_LOWERING)
+                                  max_ops=MAX_OPS, **ATTENTION_LOWERING)
     min_bytes = 2 * hk * tokens * d * 2 + 2 * q.nbytes
     return Bench("prefill_attn" if prefill else "decode_attn", model,
                  f"{hq}/{hk}x{d} L={tokens}", None, None, (), {}, inputs, ref, "out", macs,
@@ -167,7 +169,7 @@ def run_bench(b: Bench, spec, trials: int, seed: int) -> dict:
     consts = b.consts
 
     def lower(f):
-        return lower_primfunc(f, spec, b.kernel, consts=consts)
+        return lower_primfunc(f, spec, b.kernel, consts=consts, max_ops=MAX_OPS)
 
     def run(program):
         return emu.run(program, b.inputs, params=b.params).counters

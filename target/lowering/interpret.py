@@ -107,8 +107,9 @@ def _float_imms(node) -> list:
 class Interpreter:
     """Runs the loop structure of a scheduled PrimFunc and records its NPU operations."""
 
-    def __init__(self, func: tirx.PrimFunc, runtime=()):
+    def __init__(self, func: tirx.PrimFunc, runtime=(), max_ops: int | None = None):
         self.func = func
+        self.max_ops = max_ops
         self.exprs = ExprCompiler(runtime)
         self._compiled: dict = {}
         self.loop_ids: dict = {}
@@ -254,6 +255,9 @@ class Interpreter:
                 attrs["imm"] = float(_ann(loop.annotations, "npu.imm"))
         if kind not in ("dma", "mma", "vector"):
             raise CandidateRejected(f"unknown npu.op {kind_ann!r} on block {block.name_hint!r}")
+        if self.max_ops is not None and len(self.ops) >= self.max_ops:
+            raise CandidateRejected(f"the schedule needs more than {self.max_ops} NPU "
+                                    f"operations (tiles too small for this workload)")
         self.ops.append(TileOp(len(self.ops), kind, vop, reads, writes, path, block.name_hint,
                                attrs))
 

@@ -24,7 +24,8 @@ from .tcm_alloc import locate, plan_tcm
 
 
 def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None,
-                   consts: dict | None = None, runtime=(), state=()):
+                   consts: dict | None = None, runtime=(), state=(),
+                   max_ops: int | None = None):
     """Compile a scheduled PrimFunc into a :class:`~edgetvm.target.isa.Program`.
 
     Parameters
@@ -37,9 +38,11 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
         page table): they become scalars the host sets per call, not DRAM tensors. Scalar
         PrimFunc parameters (valid length, position) are runtime parameters too.
     state : names of buffer parameters that persist on the device (the KV cache pages).
+    max_ops : reject (``CandidateRejected``) a schedule with more tile operations, as a
+        tuner's measurement budget (a tiny tile on a large workload is never worth it).
     """
     consts = consts or {}
-    interp = Interpreter(func, runtime)
+    interp = Interpreter(func, runtime, max_ops)
     ops = interp.run()
     if not ops:
         raise CandidateRejected("the schedule produced no NPU operation")
