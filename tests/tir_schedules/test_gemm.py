@@ -138,3 +138,13 @@ def test_tcm_overflow_is_rejected_before_the_emulator():
                          slots_c=1, a_at=0, dma_split=0)
     with pytest.raises(CandidateRejected, match="TCM overflow.*A_global.tcm"):
         lower_primfunc(sch.mod["main"], small, "k", consts=consts)
+
+
+def test_operation_budget_rejects_tiny_tiles():
+    func, consts, _, _ = _fp16_case(64, 256, 256)
+    sch = s_tir.Schedule(tvm.IRModule({"main": func}))
+    gemm.schedule_matmul(sch, tile_m=16, tile_n=16, tile_k=16, slots_a=1, slots_b=1,
+                         slots_c=1, a_at=0, dma_split=0)
+    with pytest.raises(CandidateRejected, match="more than 100 NPU operations"):
+        lower_primfunc(sch.mod["main"], SPEC, "k", consts=consts, max_ops=100)
+    assert len(lower_primfunc(sch.mod["main"], SPEC, "k", consts=consts).commands) > 100
