@@ -8,7 +8,7 @@ from tvm import relax, tirx
 
 from edgetvm.frontend.matmul_nbits import LINEAR_W4A16, _product, linear_w4a16_primfunc
 
-from .w4_pack import GROUP_SIZES, SCALE_RULES, pack_zero_points, quantize_w4
+from .w4_pack import check_w4_options, pack_zero_points, quantize_w4
 
 _FLOAT_WEIGHTS = ("float32", "float16")
 # TVM 0.27 moved constants to tvm.ir (relax.const builds an ir.GenericConst).
@@ -67,12 +67,7 @@ class QuantizeW4A16:
         scale_rule: str = "mse",
         scale_dtype: str = "float16",
     ):
-        if group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size {group_size} not in {GROUP_SIZES}")
-        if scale_rule not in SCALE_RULES:
-            raise ValueError(f"scale_rule {scale_rule!r} not in {SCALE_RULES}")
-        if scale_dtype not in _FLOAT_WEIGHTS:
-            raise ValueError(f"scale_dtype {scale_dtype!r} not in {_FLOAT_WEIGHTS}")
+        check_w4_options(group_size, scale_rule, scale_dtype)
         self.group_size = group_size
         self.symmetric = symmetric
         self.min_features = min_features

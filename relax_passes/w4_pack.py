@@ -85,6 +85,16 @@ class W4Weight:
         return self.packed.reshape(self.n, self.k_blocks, self.group_size // 2)
 
 
+def check_w4_options(group_size: int, scale_rule: str, scale_dtype: str) -> None:
+    """Raise ValueError for a group size, scale rule or scale dtype edgetvm cannot pack."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size {group_size} not in {GROUP_SIZES}")
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule {scale_rule!r} not in {SCALE_RULES}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype {scale_dtype!r} not in {SCALE_DTYPES}")
+
+
 def quantize_w4(
     weight: np.ndarray,
     group_size: int = 32,
@@ -121,12 +131,7 @@ def quantize_w4(
         Scales are rounded to ``scale_dtype`` *before* the codes are computed, so the
         codes are optimal for the stored scales.
     """
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size {group_size} not in {GROUP_SIZES}")
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule {scale_rule!r} not in {SCALE_RULES}")
-    if scale_dtype not in SCALE_DTYPES:
-        raise ValueError(f"scale_dtype {scale_dtype!r} not in {SCALE_DTYPES}")
+    check_w4_options(group_size, scale_rule, scale_dtype)
     w = np.asarray(weight)
     if w.ndim != 2 or not np.issubdtype(w.dtype, np.floating):
         raise ValueError(f"expected a 2-D float weight, got {w.dtype} {w.shape}")
