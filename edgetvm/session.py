@@ -35,7 +35,8 @@ from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules.attention import (ATTENTION_LOWERING, schedule_decode_attention,
                                              schedule_prefill_attention)
 from edgetvm.tir_schedules.embedding import schedule_embedding
-from edgetvm.tir_schedules.kv_cache import KV_APPEND_LOWERING, schedule_kv_append
+from edgetvm.tir_schedules.kv_cache import (KV_APPEND_LOWERING, KV_APPEND_PAGES_LOWERING,
+                                            schedule_kv_append, schedule_kv_append_pages)
 from edgetvm.tir_schedules.workloads import embedding as embedding_workload
 
 from .kv_state import KVState, capacity_bucket
@@ -325,20 +326,31 @@ class NPUSession:
             # the caller brought its own past (e.g. a fixed-shape decode export): upload it
             # into this layer's pages once; steps after that append on the device
             self._upload_past(layer, k_past.numpy(), v_past.numpy())
-        key = ("kv_append", c)
-        base = self._programs.get(key)
-        if base is None:
-            sch = schedule_kv_append(kv.layout, c, self.spec)
-            base = lower_primfunc(sch.mod["main"], self.spec, f"kv_append_{c}",
-                                  **KV_APPEND_LOWERING)
-            self._programs[key] = base
-        program = self._layer_program(key, base, layer)
         feeds = {}
         for name, x in (("k_new", k), ("v_new", v)):
             rows = np.zeros((c, kv.kv_heads, 1, kv.head_dim), np.float16)
             rows[:s] = x[0].transpose(1, 0, 2)[:, :, None, :]
             feeds[name] = rows
-        res = self.emu.run(program, feeds, params=kv.layout.slot_params(kv.page_table, pos, c, s))
+        if s > 1 and pos % kv.page_tokens == 0 and c % kv.page_tokens == 0:
+            # prefill from a page boundary: whole pages, one DMA per (page, head)
+            n = c // kv.page_tokens
+            key = ("kv_append_pages", n)
+            build = lambda: lower_primfunc(  # noqa: E731
+                schedule_kv_append_pages(kv.layout, n, self.spec).mod["main"], self.spec,
+                f"kv_append_pages_{n}", **KV_APPEND_PAGES_LOWERING)
+            first = pos // kv.page_tokens
+            params = {f"dst_page.{i}": kv.page_table[first + i] for i in range(n)}
+        else:
+            key = ("kv_append", c)
+            build = lambda: lower_primfunc(  # noqa: E731
+                schedule_kv_append(kv.layout, c, self.spec).mod["main"], self.spec,
+                f"kv_append_{c}", **KV_APPEND_LOWERING)
+            params = kv.layout.slot_params(kv.page_table, pos, c, s)
+        base = self._programs.get(key)
+        if base is None:
+            base = self._programs[key] = build()
+        program = self._layer_program(key, base, layer)
+        res = self.emu.run(program, feeds, params=params)
         self.meter.add("kv_append", res.counters)
         kv.layer_len[layer] = pos + s
         kv.length = pos + s

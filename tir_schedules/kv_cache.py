@@ -156,3 +156,60 @@ def schedule_kv_append(layout: KVCacheLayout, tokens: int, spec=None):
 
 
 KV_APPEND_LOWERING = {"runtime": ["slot_page", "slot_offset"], "state": ["K_cache", "V_cache"]}
+
+
+def kv_append_pages(layout: KVCacheLayout, pages: int):
+    """The prefill append: ``pages * page_tokens`` new tokens starting at a page boundary
+    are written as WHOLE pages, one DMA per (page, KV head) of ``page_tokens x head_dim``
+    contiguous bytes (the decode kernels' per-head page block), from the token-major
+    staging tile read with a row stride. Page ``i`` of the chunk goes to cache page
+    ``dst_page.<i>`` (runtime). Rows past the prompt in the last page are written too
+    (padding): they lie beyond the valid length, which attention never reads, and the
+    next append overwrites them.
+    """
+    hk, d, pt = layout.kv_heads, layout.head_dim, layout.page_tokens
+    c = pages * pt
+    with TileKernel(f"kv_append_pages_{pages}") as kb:
+        k_new = kb.buffer("k_new", (c, hk, 1, d), "float16")
+        v_new = kb.buffer("v_new", (c, hk, 1, d), "float16")
+        dst_page = kb.buffer("dst_page", (pages,), "int32")
+        k_cache = kb.buffer("K_cache", layout.shape, "float16")
+        v_cache = kb.buffer("V_cache", layout.shape, "float16")
+        kb.begin_body()
+        stage = {"k": kb.tcm("k_stage", (c, hk, 1, d), "float16"),
+                 "v": kb.tcm("v_stage", (c, hk, 1, d), "float16")}
+        src = {"k": k_new, "v": v_new}
+        dst = {"k": k_cache, "v": v_cache}
+        for kv in ("k", "v"):
+            kb.op(f"{kv}_load", "dma", (c, hk, d),
+                  lambda lv: [("S", (0, c), lv[0]), ("S", (0, hk), lv[1]),
+                              ("S", (0, d), lv[2])],
+                  lambda iv, kv=kv: (stage[kv], (iv[0], iv[1], 0, iv[2]),
+                                     src[kv][iv[0], iv[1], 0, iv[2]],
+                                     [src[kv][iv[0], iv[1], 0, iv[2]]], None))
+        with kb.loop(pages, "p") as p:
+            with kb.loop(hk, "h") as h:
+                for kv, ch in (("k", 0), ("v", 1)):
+                    def body(iv, kv=kv):
+                        return (dst[kv], (dst_page[iv[0]], iv[1], iv[2], iv[3]),
+                                stage[kv][iv[0] * pt + iv[2], iv[1], 0, iv[3]],
+                                [stage[kv][iv[0] * pt + iv[2], iv[1], 0, iv[3]]], None)
+                    kb.op(f"{kv}_store", "dma", (pt, d),
+                          lambda lv: [("S", (0, pages), p), ("S", (0, hk), h),
+                                      ("S", (0, pt), lv[0]), ("S", (0, d), lv[1])],
+                          body, ann={"npu.channel": ch})
+    return kb
+
+
+def schedule_kv_append_pages(layout: KVCacheLayout, pages: int, spec=None):
+    """The scheduled page-burst append; lower with ``**KV_APPEND_PAGES_LOWERING``."""
+    kb = kv_append_pages(layout, pages)
+    sch = s_tir.Schedule(tvm.IRModule({"main": kb.func()}))
+    ops = kb.ops
+    if spec is not None and spec.dma_channels < 2:
+        ops = [(b, dep, {k: v for k, v in a.items() if k != "npu.channel"}) for b, dep, a in ops]
+    apply_annotations(sch, ops)
+    return sch
+
+
+KV_APPEND_PAGES_LOWERING = {"runtime": ["dst_page"], "state": ["K_cache", "V_cache"]}

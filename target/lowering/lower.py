@@ -171,6 +171,30 @@ def _commands(op, unit, kinds, tcm) -> list:
     return [_vector(op, tcm)]
 
 
+def _paired_axes(dbox, tbox, d_strides, t_strides):
+    """The copy's axes as (extents, DRAM strides, TCM strides), in DRAM axis order.
+
+    A DRAM axis is paired with the TCM axis that moves with the same loop, so a DMA may
+    change the axis order (e.g. token-major staging -> the cache's head-major page). When
+    the loops do not tell (no iteration info), axes pair by position."""
+    if not dbox.axes or not tbox.axes:
+        return dbox.extents, d_strides, t_strides
+    ext, ds, ts = [], [], []
+    used = set()
+    for dd, e in enumerate(dbox.extents):
+        if e == 1:
+            continue
+        td = next((t for t, te in enumerate(tbox.extents) if te == e and t not in used
+                   and tbox.axes[t] & dbox.axes[dd]), None)
+        if td is None:
+            return dbox.extents, d_strides, t_strides
+        used.add(td)
+        ext.append(e)
+        ds.append(d_strides[dd])
+        ts.append(t_strides[td])
+    return tuple(ext), tuple(ds), tuple(ts)
+
+
 def _dma(op, unit, kinds, tcm):
     src, dst = op.reads[0], op.writes[0]
     load = kinds.get(dst.buffer) == "tcm"
@@ -181,8 +205,8 @@ def _dma(op, unit, kinds, tcm):
     dst_strides = _row_major_strides(dshape)
     d_off = sum(l * s for l, s in zip(dbox.lo, dst_strides))
     v = _valid_start(op)
-    rows, cols, rs_d, rs_t, offs = _pieces(dbox.extents, dst_strides, tb.strides(),
-                                           keep_rows=v is not None)
+    extents, d_str, t_str = _paired_axes(dbox, tbox, dst_strides, tb.strides())
+    rows, cols, rs_d, rs_t, offs = _pieces(extents, d_str, t_str, keep_rows=v is not None)
     ch = int(unit[3:])
     # the runtime repeat count: rows past the valid length are not transferred
     valid = None if v is None or len(offs) > 1 else v[0] - v[1]
