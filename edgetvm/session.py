@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import relax, s_tir, tirx
+from tvm import relax, s_tir
 
 from edgetvm.errors import EdgeTVMError
 from edgetvm.frontend import import_onnx
@@ -157,9 +157,6 @@ class NPUSession:
             return special(region)
 
         passthrough = passthrough_outputs(region.func)
-        shapes = [tuple(int(d) if isinstance(d, (int, tirx.IntImm)) else -1
-                        for d in f.shape.values) for f in region.func.ret_ty.fields] \
-            if passthrough else []
 
         def run(*tensors):
             # shape arguments of the region's glue reshapes are not data
