@@ -94,6 +94,29 @@ def gather_reference(cache: np.ndarray, page_table, length: int) -> np.ndarray:
     return np.concatenate(pages, axis=1)[:, :length]
 
 
+def _stage_new_tokens(kb, src: dict, c: int, hk: int, d: int) -> dict:
+    """DMA the new tokens' K and V ``(c, hk, 1, d)`` into TCM staging tiles (one each)."""
+    stage = {kv: kb.tcm(f"{kv}_stage", (c, hk, 1, d), "float16") for kv in ("k", "v")}
+    for kv in ("k", "v"):
+        kb.op(f"{kv}_load", "dma", (c, hk, d),
+              lambda lv: [("S", (0, c), lv[0]), ("S", (0, hk), lv[1]), ("S", (0, d), lv[2])],
+              lambda iv, kv=kv: (stage[kv], (iv[0], iv[1], 0, iv[2]),
+                                 src[kv][iv[0], iv[1], 0, iv[2]],
+                                 [src[kv][iv[0], iv[1], 0, iv[2]]], None))
+    return stage
+
+
+def _schedule(kb, spec):
+    """The kernel's schedule with its op annotations (DMA channel hints dropped on a
+    single-channel NPU)."""
+    sch = s_tir.Schedule(tvm.IRModule({"main": kb.func()}))
+    ops = kb.ops
+    if spec is not None and spec.dma_channels < 2:
+        ops = [(b, dep, {k: v for k, v in a.items() if k != "npu.channel"}) for b, dep, a in ops]
+    apply_annotations(sch, ops)
+    return sch
+
+
 def kv_append(layout: KVCacheLayout, tokens: int):
     """The append kernel as a :class:`TileKernel` (PrimFunc + its NPU ops).
 
@@ -113,17 +136,8 @@ def kv_append(layout: KVCacheLayout, tokens: int):
         k_cache = kb.buffer("K_cache", layout.shape, "float16")
         v_cache = kb.buffer("V_cache", layout.shape, "float16")
         kb.begin_body()
-        stage = {"k": kb.tcm("k_stage", (c, hk, 1, d), "float16"),
-                 "v": kb.tcm("v_stage", (c, hk, 1, d), "float16")}
-        src = {"k": k_new, "v": v_new}
+        stage = _stage_new_tokens(kb, {"k": k_new, "v": v_new}, c, hk, d)
         dst = {"k": k_cache, "v": v_cache}
-        for kv in ("k", "v"):
-            kb.op(f"{kv}_load", "dma", (c, hk, d),
-                  lambda lv: [("S", (0, c), lv[0]), ("S", (0, hk), lv[1]),
-                              ("S", (0, d), lv[2])],
-                  lambda iv, kv=kv: (stage[kv], (iv[0], iv[1], 0, iv[2]),
-                                     src[kv][iv[0], iv[1], 0, iv[2]],
-                                     [src[kv][iv[0], iv[1], 0, iv[2]]], None))
         # one store per (token, head): the runtime repeat count ``n_new - i`` then counts
         # tokens (a store of all heads of a token would clip heads instead)
         with kb.loop(c, "i") as i:
@@ -146,13 +160,7 @@ def kv_append(layout: KVCacheLayout, tokens: int):
 def schedule_kv_append(layout: KVCacheLayout, tokens: int, spec=None):
     """The scheduled append kernel (``s_tir.Schedule``); lower with
     ``runtime=["slot_page", "slot_offset"], state=["K_cache", "V_cache"]``."""
-    kb = kv_append(layout, tokens)
-    sch = s_tir.Schedule(tvm.IRModule({"main": kb.func()}))
-    ops = kb.ops
-    if spec is not None and spec.dma_channels < 2:
-        ops = [(b, dep, {k: v for k, v in a.items() if k != "npu.channel"}) for b, dep, a in ops]
-    apply_annotations(sch, ops)
-    return sch
+    return _schedule(kv_append(layout, tokens), spec)
 
 
 KV_APPEND_LOWERING = {"runtime": ["slot_page", "slot_offset"], "state": ["K_cache", "V_cache"]}
@@ -176,17 +184,8 @@ def kv_append_pages(layout: KVCacheLayout, pages: int):
         k_cache = kb.buffer("K_cache", layout.shape, "float16")
         v_cache = kb.buffer("V_cache", layout.shape, "float16")
         kb.begin_body()
-        stage = {"k": kb.tcm("k_stage", (c, hk, 1, d), "float16"),
-                 "v": kb.tcm("v_stage", (c, hk, 1, d), "float16")}
-        src = {"k": k_new, "v": v_new}
+        stage = _stage_new_tokens(kb, {"k": k_new, "v": v_new}, c, hk, d)
         dst = {"k": k_cache, "v": v_cache}
-        for kv in ("k", "v"):
-            kb.op(f"{kv}_load", "dma", (c, hk, d),
-                  lambda lv: [("S", (0, c), lv[0]), ("S", (0, hk), lv[1]),
-                              ("S", (0, d), lv[2])],
-                  lambda iv, kv=kv: (stage[kv], (iv[0], iv[1], 0, iv[2]),
-                                     src[kv][iv[0], iv[1], 0, iv[2]],
-                                     [src[kv][iv[0], iv[1], 0, iv[2]]], None))
         with kb.loop(pages, "p") as p:
             with kb.loop(hk, "h") as h:
                 for kv, ch in (("k", 0), ("v", 1)):
@@ -203,13 +202,7 @@ def kv_append_pages(layout: KVCacheLayout, pages: int):
 
 def schedule_kv_append_pages(layout: KVCacheLayout, pages: int, spec=None):
     """The scheduled page-burst append; lower with ``**KV_APPEND_PAGES_LOWERING``."""
-    kb = kv_append_pages(layout, pages)
-    sch = s_tir.Schedule(tvm.IRModule({"main": kb.func()}))
-    ops = kb.ops
-    if spec is not None and spec.dma_channels < 2:
-        ops = [(b, dep, {k: v for k, v in a.items() if k != "npu.channel"}) for b, dep, a in ops]
-    apply_annotations(sch, ops)
-    return sch
+    return _schedule(kv_append_pages(layout, pages), spec)
 
 
 KV_APPEND_PAGES_LOWERING = {"runtime": ["dst_page"], "state": ["K_cache", "V_cache"]}
