@@ -87,7 +87,8 @@ class KernelCache:
         return dataclasses.replace(base, tensors=tensors)
 
 
-def _rows(shape) -> int:
+def rows_of(shape) -> int:
+    """Rows of an activation viewed as 2-D (all leading dims folded)."""
     return int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
 
 
@@ -115,7 +116,7 @@ def build_cluster(region, shapes: list):
     Only called for regions :func:`offloadable` accepted."""
     kind, a, attrs = region.kind, region.args, region.attrs
     x_shape = shapes[0]
-    m, h = _rows(x_shape), int(x_shape[-1])
+    m, h = rows_of(x_shape), int(x_shape[-1])
     t = {"x": ((m, h), F16)}
     if kind in ("linear", "lm_head") and _is_w4(attrs):
         g = _w4_group(attrs)

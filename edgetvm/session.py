@@ -40,7 +40,8 @@ from edgetvm.tir_schedules.kv_cache import (KV_APPEND_LOWERING, KV_APPEND_PAGES_
 from edgetvm.tir_schedules.workloads import embedding as embedding_workload
 
 from .kv_state import KVState, capacity_bucket
-from .npu_regions import KernelCache, build_cluster, offloadable, passthrough_outputs
+from .npu_regions import (KernelCache, build_cluster, offloadable, passthrough_outputs,
+                          rows_of)
 from .offload import offload_regions
 
 log = logging.getLogger("edgetvm")
@@ -115,7 +116,7 @@ class NPUSession:
         shapes = [self.imported.mod["main"].params[i].ty.shape.values
                   for i, n in enumerate(self.imported.input_names) if "past_key_values" in n]
         kv_heads, head_dim = int(shapes[0][1]), int(shapes[0][3])
-        layers = len({_layer_of(r) for r in kv_regions})
+        layers = len({_past_input(r)[0] for r in kv_regions})
         return KVState(layers, kv_heads, head_dim, max_tokens)
 
     def bucket(self, rows: int) -> int:
@@ -174,7 +175,7 @@ class NPUSession:
         """Run the region's NPU kernel on 2-D fp16 views of ``arrays``; returns ``y``.
 
         Rows are padded to the length bucket, so prefill lengths share programs."""
-        rows = _rows(arrays[0].shape)
+        rows = rows_of(arrays[0].shape)
         pad = self.bucket(rows) - rows
         arrays = [a.reshape(rows, -1) for a in arrays]
         if pad:
@@ -435,10 +436,6 @@ class NPUSession:
         return res.outputs["out"][:s] if s > 1 else res.outputs["out"][None]
 
 
-def _rows(shape) -> int:
-    return int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
-
-
 def _heads_major(x, head_dim: int):
     """K/V as (b, kv_heads, s, head_dim): a projection output (b, s, heads * d) gets the
     reshape and head transpose the region does (constant folding drops the transpose in
@@ -494,9 +491,5 @@ def _past_input(region) -> tuple:
         if m:
             return int(m.group(1)), m.group(2), k
     raise EdgeTVMError(f"KV append region {region.index} does not read a past_key_values input")
-
-
-def _layer_of(region) -> int:
-    return _past_input(region)[0]
 
 

@@ -20,7 +20,7 @@ from ..builder import ProgramBuilder
 from ..isa import VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector
 from .interpret import Interpreter
 from .sync import insert_events
-from .tcm_alloc import locate, plan_tcm
+from .tcm_alloc import locate, plan_tcm, row_major_strides
 
 
 def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None,
@@ -70,9 +70,9 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
             continue
         when = _predicate(op)
         if when is not None:
-            cmds = [_with(c, when=when) for c in cmds]
-        cmds[0] = _with(cmds[0], wait=tuple(waits[op.index]))
-        cmds[-1] = _with(cmds[-1], signal=tuple(signals[op.index]))
+            cmds = [dataclasses.replace(c, when=when) for c in cmds]
+        cmds[0] = dataclasses.replace(cmds[0], wait=tuple(waits[op.index]))
+        cmds[-1] = dataclasses.replace(cmds[-1], signal=tuple(signals[op.index]))
         for c in cmds:
             b.emit(c)
     for p in interp.params:
@@ -80,10 +80,6 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     return b.build(tcm_bytes=tcm_bytes, tile_ops=len(ops),
                    tcm_buffers={t.name: {"offset": t.offset, "footprint": list(t.footprint),
                                          "slots": t.slots} for t in tcm.values()})
-
-
-def _with(cmd, **changes):
-    return dataclasses.replace(cmd, **changes)
 
 
 def _valid_start(op):
@@ -129,14 +125,6 @@ def _assign_units(ops, kinds, spec, dma_split: bool) -> dict:
 
 
 # -- emission ---------------------------------------------------------------------------
-def _row_major_strides(shape) -> tuple:
-    st, acc = [], 1
-    for e in reversed(shape):
-        st.append(acc)
-        acc *= e
-    return tuple(reversed(st))
-
-
 def _pieces(extents, strides_a, strides_b, keep_rows: bool = False):
     """Split a box copy into 2-D pieces valid on both sides.
 
@@ -202,7 +190,7 @@ def _dma(op, unit, kinds, tcm):
     tb = tcm[tbox.buffer]
     t_off, rel, _ = locate(tb, op.index, tbox)
     dshape = [int(s) for s in dbox.buffer.shape]
-    dst_strides = _row_major_strides(dshape)
+    dst_strides = row_major_strides(dshape)
     d_off = sum(l * s for l, s in zip(dbox.lo, dst_strides))
     v = _valid_start(op)
     extents, d_str, t_str = _paired_axes(dbox, tbox, dst_strides, tb.strides())

@@ -35,11 +35,16 @@ class TcmBuffer:
         return int(np.prod(self.footprint, dtype=np.int64)) * self.itemsize
 
     def strides(self) -> tuple:
-        st, acc = [], 1
-        for e in reversed(self.footprint):
-            st.append(acc)
-            acc *= e
-        return tuple(reversed(st))
+        return row_major_strides(self.footprint)
+
+
+def row_major_strides(shape) -> tuple:
+    """Element strides of a dense row-major array of ``shape``."""
+    st, acc = [], 1
+    for e in reversed(shape):
+        st.append(acc)
+        acc *= e
+    return tuple(reversed(st))
 
 
 def _align(n: int, a: int) -> int:
