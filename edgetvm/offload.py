@@ -117,7 +117,7 @@ def offload_regions(mod: tvm.IRModule, accept, prefix: str):
     """Rewrite the regions ``accept(region)`` takes; returns (new module, [Region])."""
     rw = _Rewriter(mod, accept, prefix)
     main = rw.visit_expr(mod["main"])
-    mod = mod.clone() if hasattr(mod, "clone") else mod
+    mod = mod.clone()
     mod["main"] = main
     mod = relax.transform.DeadCodeElimination(["main"])(mod)
     _record_sources(mod["main"], rw.regions)
