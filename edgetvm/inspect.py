@@ -1,44 +1,24 @@
-"""``python -m edgetvm.inspect model.onnx``: what edgetvm recognises in a model.
+"""``python -m edgetvm.inspect model.onnx``: what edgetvm recognises in a model, and what
+runs on the NPU.
 
 Imports the ONNX model, runs the semantic annotation passes
-(``edgetvm.relax_passes.AnnotateLLMSemantics``) and prints, per layer, the recognised
-regions (attention, RoPE, RMSNorm, linear, MLP, KV append, ...), the FLOPs inside and
-outside them, and the coverage. Ops outside every region stay on the generic Relax
-path; an architecture with no known block is reported as such.
+(``edgetvm.relax_passes.AnnotateLLMSemantics``), decides which regions the NPU takes (the
+same decision ``edgetvm.run`` makes) and prints, per layer, the recognised regions, the
+FLOPs inside and outside them, the FLOPs that run on the NPU, the coverage and the NPU
+share. Ops outside every region, and regions the NPU does not take, run on the host.
+
+FLOPs are counted at a stated length, never at a symbolic one: by default a decode step
+at the KV cache's capacity (one new token, ``max_tokens - 1`` past tokens), or a prefill
+of ``--length`` tokens with ``--phase prefill``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 
-from edgetvm.errors import EdgeTVMError, ModelImportError
-
-
-def load_relax_module(path: str):
-    """Import ``path`` with ``edgetvm.frontend.import_onnx`` (falling back to TVM's
-    importer when the front end is not available). Raises ModelImportError."""
-    if not os.path.isfile(path):
-        raise ModelImportError(f"{path}: no such file")
-    try:
-        from edgetvm.frontend import import_onnx
-    except ImportError:
-        import_onnx = None
-    if import_onnx is not None:
-        return import_onnx(path).mod
-    import onnx
-    from tvm.relax.frontend.onnx import from_onnx
-
-    try:
-        model = onnx.load(path)
-    except Exception as err:  # onnx raises DecodeError, ValueError, ... on bad bytes
-        raise ModelImportError(f"{path}: not a readable ONNX model ({err})") from None
-    try:
-        return from_onnx(model, keep_params_in_input=False)
-    except Exception as err:  # TVM raises many types; the user needs the message only
-        raise ModelImportError(f"{path}: import failed: {err}") from None
+from edgetvm.errors import EdgeTVMError
 
 
 def _parse_dims(items: list[str]) -> dict:
@@ -51,42 +31,104 @@ def _parse_dims(items: list[str]) -> dict:
     return dims
 
 
-def inspect_model(path: str, dims: dict | None = None):
-    """Import and annotate ``path``; return (annotated module, list of SemanticReport)."""
+def stated_dims(imported, phase: str = "decode", length: int = 128,
+                max_tokens: int = 1024) -> dict:
+    """Values of the model's symbolic dimensions for one step of ``phase``: batch 1; decode
+    is one token after ``max_tokens - 1`` past tokens, prefill ``length`` tokens from an
+    empty cache. The names are read off the inputs (``input_ids`` is (batch, sequence),
+    a ``past_key_values`` input (batch, heads, past, head_dim))."""
     import tvm
 
-    from edgetvm.relax_passes import AnnotateLLMSemantics, semantic_report
+    if phase not in ("decode", "prefill"):
+        raise EdgeTVMError(f"phase must be decode or prefill, got {phase!r}")
+    seq, past = (1, max_tokens - 1) if phase == "decode" else (length, 0)
+    dims = {}
+    params = dict(zip(imported.input_names, imported.mod["main"].params))
+
+    def bind(name, axis, value):
+        p = params.get(name)
+        shape = getattr(getattr(p, "ty", None), "shape", None) if p is not None else None
+        values = getattr(shape, "values", None)
+        if values is not None and len(values) > axis and isinstance(values[axis], tvm.tirx.Var):
+            dims.setdefault(values[axis].name, value)
+
+    bind("input_ids", 0, 1)
+    bind("input_ids", 1, seq)
+    for name in imported.input_names:
+        if name.startswith("past_key_values"):
+            bind(name, 0, 1)
+            bind(name, 2, past)
+    for var in imported.tir_vars:
+        dims.setdefault(var, 1)
+    return dims
+
+
+def inspect_model(path: str, dims: dict | None = None, *, phase: str = "decode",
+                  length: int = 128, max_tokens: int = 1024, quantize: int | None = None):
+    """Import, annotate and plan the offload of ``path``.
+
+    Returns (annotated module, list of SemanticReport, the dims FLOPs were counted at)."""
+    import tvm
+
+    from edgetvm.frontend import import_onnx
+    from edgetvm.npu_regions import offloadable, unsound_offloads
+    from edgetvm.offload import offload_regions
+    from edgetvm.relax_passes import AnnotateLLMSemantics, QuantizeW4A16, semantic_report
     from edgetvm.relax_passes._fusion import main_functions
 
+    imported = import_onnx(path)
+    counted = stated_dims(imported, phase, length, max_tokens)
+    counted.update(dims or {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mod = load_relax_module(path)
+        mod = imported.mod
+        if quantize:
+            mod = QuantizeW4A16(group_size=quantize)(mod)
         try:
             annotated = AnnotateLLMSemantics()(mod)
         except (tvm.error.InternalError, ValueError) as err:
             raise EdgeTVMError(f"{path}: semantic annotation failed: {err}") from None
+    _, regions = offload_regions(annotated, offloadable, "edgetvm.inspect",
+                                 prune=unsound_offloads)
+    on_npu = {r.index for r in regions}
     reports = [
-        semantic_report(annotated, gv.name_hint, dims) for gv, _ in main_functions(annotated)
+        semantic_report(annotated, gv.name_hint, counted, on_npu if gv.name_hint == "main"
+                        else None)
+        for gv, _ in main_functions(annotated)
     ]
-    return annotated, reports
+    return annotated, reports, counted
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code (2 on bad input)."""
     parser = argparse.ArgumentParser(
         prog="python -m edgetvm.inspect",
-        description="Show which LLM building blocks edgetvm recognises in an ONNX model.",
+        description="Show which LLM building blocks edgetvm recognises in an ONNX model "
+                    "and which run on the NPU.",
     )
     parser.add_argument("model", help="ONNX model file")
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                        help="the step FLOPs are counted for (default decode at KV capacity)")
+    parser.add_argument("--length", type=int, default=128,
+                        help="prefill tokens for --phase prefill (default 128)")
+    parser.add_argument("--max-tokens", type=int, default=1024,
+                        help="KV cache capacity: decode is counted with max_tokens - 1 past "
+                             "tokens (default 1024)")
+    parser.add_argument("--quantize", type=int, choices=(32, 64, 128), default=None,
+                        metavar="G", help="inspect the model as run with --quantize G")
     parser.add_argument(
         "--dim", action="append", default=[], metavar="NAME=INT",
-        help="value of a symbolic dimension for FLOP counting (default 1), "
-        "e.g. --dim sequence_length=128",
+        help="override the value of a symbolic dimension for FLOP counting, "
+        "e.g. --dim past_sequence_length=4095",
     )
     args = parser.parse_args(argv)
+    if args.length < 1 or args.max_tokens < 2:
+        parser.error("--length must be >= 1 and --max-tokens >= 2")
     try:
         dims = _parse_dims(args.dim)
-        _, reports = inspect_model(args.model, dims)
+        _, reports, counted = inspect_model(args.model, dims, phase=args.phase,
+                                            length=args.length, max_tokens=args.max_tokens,
+                                            quantize=args.quantize)
     except EdgeTVMError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -95,8 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}")
     for report in reports:
         print(report.format_table())
-    if dims:
-        print("symbolic dimensions: " + ", ".join(f"{k}={v}" for k, v in dims.items()))
+    step = ("decode step at KV capacity" if args.phase == "decode"
+            else f"prefill of {args.length} tokens")
+    if counted:
+        print(f"FLOPs counted for one {step}: " +
+              ", ".join(f"{k}={v}" for k, v in counted.items()))
+    else:
+        print("FLOPs counted at the model's fixed shapes (it has no symbolic dimensions)")
     print(COVERAGE_DEFINITION)
     return 0
 

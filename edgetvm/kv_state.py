@@ -31,6 +31,16 @@ class KVState:
     length: int = 0                                   # tokens in the cache
     page_table: list = field(default_factory=list)
     layer_len: dict = field(default_factory=dict)     # layer -> tokens on the device
+    #: the order in which free pages are handed out (default ascending); any permutation
+    #: of the pool is valid, as after other sequences freed pages out of order
+    page_pool: list | None = None
+
+    def __post_init__(self):
+        pool = list(range(self.num_pages)) if self.page_pool is None else list(self.page_pool)
+        if sorted(pool) != list(range(self.num_pages)):
+            raise EdgeTVMError(f"page_pool must be a permutation of the {self.num_pages} "
+                               f"cache pages")
+        self.page_pool = pool
 
     @property
     def num_pages(self) -> int:
@@ -55,8 +65,8 @@ class KVState:
             raise EdgeTVMError(f"the KV cache holds {self.max_tokens} tokens; this step needs "
                                f"{end} (raise max_tokens)")
         while len(self.page_table) * self.page_tokens < end:
-            # pages in allocation order; a real allocator hands out free pages of a pool
-            self.page_table.append(len(self.page_table))
+            # the sequence's next page: the next free page of the pool
+            self.page_table.append(self.page_pool[len(self.page_table)])
 
 
 def capacity_bucket(pages: int) -> int:

@@ -18,6 +18,9 @@ from edgetvm.errors import CandidateRejected, EdgeTVMError
 from edgetvm.tir_schedules.fused import (FusionCluster, Stage, knob_names, lower_cluster,
                                          schedule_cluster)
 
+from .region_ops import (activation_input, attention_roles, bindings, depends_on, linears, op_name,
+                         param_index, unpack_uint4_zero_points)
+
 F16 = "float16"
 
 
@@ -92,22 +95,95 @@ def rows_of(shape) -> int:
     return int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
 
 
-def _w4_pack(packed, scales, n_to: int | None = None):
-    """MatMulNBits (N, blocks, block/2) uint8 + (N, blocks) scales -> the NPU's W (N, K'/2)
-    and S (N, K'/G) fp16 with K' = blocks * G (a partial last block is zero-padded by the
-    quantizer; the activation is padded with zeros to match). ``n_to`` pads output rows
-    with zero scales (their outputs are exactly 0)."""
-    n = packed.shape[0]
-    w = np.ascontiguousarray(packed.reshape(n, -1))
-    sc = np.asarray(scales, np.float32).reshape(n, -1).astype(F16)
+def _w4_consts(region, lin, n_to: int | None = None) -> dict:
+    """MatMulNBits (N, blocks, block/2) uint8 + (N, blocks) scales [+ zero points] -> the
+    NPU's W (N, K'/2), S (N, K'/G) fp16 [, Z (N, K'/G) uint8] with K' = blocks * G (a
+    partial last block is zero-padded by the quantizer; the activation is padded with
+    zeros to match). ``n_to`` pads output rows with zero scales (their outputs are 0)."""
+    a = region.args
+    packed = a[lin.weight]
+    n, blocks = packed.shape[0], packed.shape[1]
+    out = {"w": np.ascontiguousarray(packed.reshape(n, -1)),
+           "s": np.asarray(a[lin.scales], np.float32).reshape(n, blocks).astype(F16)}
+    if lin.zero_kind == "uint4":
+        out["z"] = unpack_uint4_zero_points(np.asarray(a[lin.zeros]), blocks)
     if n_to is not None and n_to > n:
-        w = np.concatenate([w, np.zeros((n_to - n, w.shape[1]), np.uint8)])
-        sc = np.concatenate([sc, np.zeros((n_to - n, sc.shape[1]), F16)])
-    return w, sc
+        out = {k: np.concatenate([v, np.zeros((n_to - n,) + v.shape[1:], v.dtype)])
+               for k, v in out.items()}
+    return out
 
 
-def _w4_group(attrs, prefix="") -> int:
-    return int(attrs.get(f"edgetvm.{prefix}group_size", "0") or 0)
+def _bias(region, lin, n: int) -> np.ndarray | None:
+    if lin.bias is None:
+        return None
+    b = np.asarray(region.args[lin.bias], np.float32).reshape(-1)
+    return np.concatenate([b, np.zeros(n - b.size, np.float32)]).astype(F16)
+
+
+def _linear_stages(region, lin, x: str, out: str, t: dict, consts: dict, mm: dict,
+                   n_to: int | None = None) -> list:
+    """Stages (and tensors, consts, matmul shapes) of one projection ``x -> out``: the
+    matmul, then the bias add when there is a bias."""
+    has_bias = lin.bias is not None
+    acc = f"{out}_mm" if has_bias else out
+    if lin.w4:
+        w4 = _w4_consts(region, lin, n_to)
+        names = {k: f"{out}_{k}" for k in w4}
+        for k, v in w4.items():
+            consts[names[k]] = v
+            t[names[k]] = (v.shape, str(v.dtype))
+        n, kp = w4["w"].shape[0], w4["w"].shape[1] * 2
+        stages = [Stage("linear_w4a16", (x,) + tuple(names[k] for k in ("w", "s", "z")
+                                                     if k in names), acc)]
+        mm[acc] = (n, kp, lin.group)
+    else:
+        w = np.asarray(region.args[lin.weight], np.float32)
+        k, n = w.shape
+        if n_to is not None and n_to > n:
+            w = np.concatenate([w, np.zeros((k, n_to - n), np.float32)], axis=1)
+            n = n_to
+        consts[f"{out}_w"] = np.ascontiguousarray(w.T.astype(F16))
+        t[f"{out}_w"] = ((n, k), F16)
+        stages = [Stage("linear_fp16", (x, f"{out}_w"), acc)]
+        mm[acc] = (n, k, 0)
+    if has_bias:
+        consts[f"{out}_b"] = _bias(region, lin, mm[acc][0])
+        t[f"{out}_b"] = ((mm[acc][0],), F16)
+        stages.append(Stage("bias_add", (acc, f"{out}_b"), out))
+    return stages
+
+
+def _input_width(lin, region) -> int:
+    """K of a projection as the NPU kernel sees it (W4A16: whole quantization groups)."""
+    if lin.w4:
+        packed = region.args[lin.weight]
+        return int(packed.shape[1] * packed.shape[2] * 2)
+    return int(np.shape(region.args[lin.weight])[0])
+
+
+def _activation_stage(attrs, gate: str, up: str | None, out: str) -> Stage:
+    act = attrs.get("edgetvm.activation")
+    approx = {"approximate": "tanh" if act == "gelu_tanh" else "none"}
+    if up is None:
+        if act not in ("gelu", "gelu_tanh"):
+            raise EdgeTVMError(f"no NPU kernel for an ungated {act!r} activation")
+        return Stage("gelu", (gate,), out, approx)
+    if act == "silu":
+        return Stage("silu_mul", (gate, up), out)
+    return Stage("gelu_mul", (gate, up), out, approx)
+
+
+def _mlp_roles(region, lins):
+    """(gate, up, down) Linears of an MLP region (gate None when ungated)."""
+    defs = bindings(region.func)
+    act_in = activation_input(region)
+    down = next(lin for lin in lins
+                if any(depends_on(defs, lin.inp, o.out) for o in lins if o is not lin))
+    rest = [l for l in lins if l is not down]
+    if len(rest) == 1:
+        return None, rest[0], down
+    gate = next(l for l in rest if depends_on(defs, act_in, l.out))
+    return gate, next(l for l in rest if l is not gate), down
 
 
 def build_cluster(region, shapes: list):
@@ -118,47 +194,30 @@ def build_cluster(region, shapes: list):
     x_shape = shapes[0]
     m, h = rows_of(x_shape), int(x_shape[-1])
     t = {"x": ((m, h), F16)}
-    if kind in ("linear", "lm_head") and _is_w4(attrs):
-        g = _w4_group(attrs)
-        w, sc = _w4_pack(*_w4_pairs(a)[0])
-        n, kp = w.shape[0], w.shape[1] * 2
-        t = {"x": ((m, kp), F16), "w": (w.shape, "uint8"), "s": (sc.shape, F16)}
-        stages = [Stage("linear_w4a16", ("x", "w", "s"), "y")]
-        return FusionCluster(kind, t, stages, ("y",), ("w", "s")), {"w": w, "s": sc}, \
-            {"y": (n, kp, g)}, m
+    consts, mm = {}, {}
     if kind in ("linear", "lm_head"):
-        w = np.asarray(a[1], dtype=np.float32)
-        k, n = w.shape
-        t["w"] = ((n, k), F16)
-        stages = [Stage("linear_fp16", ("x", "w"), "y")]
-        return FusionCluster(kind, t, stages, ("y",), ("w",)), \
-            {"w": np.ascontiguousarray(w.T.astype(F16))}, {"y": (n, k, 0)}, m
-    if kind == "mlp" and _is_w4(attrs, "gate_"):
-        g = _w4_group(attrs, "gate_")
-        (pg, qg), (pu, qu), (pd, qd) = _w4_pairs(a)
-        wd, sd = _w4_pack(pd, qd)
-        inter = wd.shape[1] * 2                      # the down projection's padded K
-        wg, sg = _w4_pack(pg, qg, inter)
-        wu, su = _w4_pack(pu, qu, inter)
-        consts = {"wg": wg, "sg": sg, "wu": wu, "su": su, "wd": wd, "sd": sd}
-        t.update({n: (v.shape, str(v.dtype)) for n, v in consts.items()})
-        stages = [Stage("linear_w4a16", ("x", "wg", "sg"), "gt"),
-                  Stage("linear_w4a16", ("x", "wu", "su"), "up"),
-                  Stage("silu_mul", ("gt", "up"), "act"),
-                  Stage("linear_w4a16", ("act", "wd", "sd"), "y")]
-        mm = {"gt": (inter, h, g), "up": (inter, h, g), "y": (wd.shape[0], inter, g)}
-        return FusionCluster("mlp_w4a16", t, stages, ("y",), tuple(consts)), consts, mm, m
+        (lin,) = linears(region)
+        t["x"] = ((m, _input_width(lin, region)), F16)
+        stages = _linear_stages(region, lin, "x", "y", t, consts, mm)
+        return FusionCluster(kind, t, stages, ("y",), tuple(consts)), consts, mm, m
     if kind == "mlp":
-        consts = {}
-        for name, idx in (("wg", 1), ("wu", 2), ("wd", 3)):
-            w = np.asarray(a[idx], dtype=np.float32)
-            consts[name] = np.ascontiguousarray(w.T.astype(F16))
-            t[name] = (consts[name].shape, F16)
-        inter = consts["wg"].shape[0]
-        stages = [Stage("linear_fp16", ("x", "wg"), "g"), Stage("linear_fp16", ("x", "wu"), "u"),
-                  Stage("silu_mul", ("g", "u"), "a"), Stage("linear_fp16", ("a", "wd"), "y")]
-        mm = {"g": (inter, h, 0), "u": (inter, h, 0), "y": (h, inter, 0)}
-        return FusionCluster("mlp", t, stages, ("y",), ("wg", "wu", "wd")), consts, mm, m
+        gate, up, down = _mlp_roles(region, linears(region))
+        t["x"] = ((m, _input_width(up, region)), F16)
+        inter = _input_width(down, region)       # the down projection's (padded) K
+        stages = []
+        if gate is not None:
+            stages += _linear_stages(region, gate, "x", "g", t, consts, mm, n_to=inter)
+        stages += _linear_stages(region, up, "x", "u", t, consts, mm, n_to=inter)
+        stages.append(_activation_stage(attrs, "g" if gate is not None else "u",
+                                        "u" if gate is not None else None, "a"))
+        stages += _linear_stages(region, down, "a", "y", t, consts, mm)
+        return FusionCluster("mlp", t, stages, ("y",), tuple(consts)), consts, mm, m
+    if kind == "activation":
+        gated = attrs.get("edgetvm.gated") == "1"
+        if gated:
+            t["x2"] = ((m, h), F16)
+        stage = _activation_stage(attrs, "x", "x2" if gated else None, "y")
+        return FusionCluster("activation", t, [stage], ("y",), ()), {}, {}, m
     if kind == "rms_norm":
         eps = float(attrs.get("edgetvm.eps", "1e-5"))
         w = a[-1] if attrs.get("edgetvm.has_weight") == "1" else None
@@ -166,12 +225,18 @@ def build_cluster(region, shapes: list):
         t["nw"] = ((h,), F16)
         stages = [Stage("rms_norm", ("x", "nw"), "y", {"eps": eps})]
         return FusionCluster("rms_norm", t, stages, ("y",), ("nw",)), {"nw": w}, {}, m
+    if kind == "layer_norm":
+        gamma, beta, eps = layer_norm_params(region)
+        consts = {"nw": np.asarray(gamma, F16).reshape(h), "nb": np.asarray(beta, F16).reshape(h)}
+        t.update({"nw": ((h,), F16), "nb": ((h,), F16)})
+        stages = [Stage("layer_norm", ("x", "nw", "nb"), "y", {"eps": eps})]
+        return FusionCluster("layer_norm", t, stages, ("y",), ("nw", "nb")), consts, {}, m
     if kind == "residual_add":
         t["x2"] = ((m, h), F16)
         return FusionCluster("residual_add", t, [Stage("add", ("x", "x2"), "y")], ("y",), ()), \
             {}, {}, m
     if kind == "rope":
-        # x (m, heads * head_dim) rotated with per-row cos/sin (m, head_dim)
+        # x (m, heads * rotary_dim) rotated with per-row cos/sin (m, rotary_dim)
         hd = int(shapes[1][-1])
         t.update({"cos": ((m, hd), F16), "sin": ((m, hd), F16)})
         stages = [Stage("rope", ("x", "cos", "sin"), "y", {"head_dim": hd})]
@@ -179,24 +244,18 @@ def build_cluster(region, shapes: list):
     raise EdgeTVMError(f"no NPU kernel for region kind {kind!r}")
 
 
-def _is_w4(attrs, prefix="") -> bool:
-    return attrs.get(f"edgetvm.{prefix}weight_format") == "w4a16"
-
-
-def _w4_pairs(args) -> list | None:
-    """The region's MatMulNBits weights as (packed uint8 (N, blocks, block/2), scales)
-    pairs in argument order; None if there is anything else among its constants (zero
-    points, a bias, a float weight). Shape arguments of the glue reshapes are skipped."""
-    consts = [a for a in args[1:] if a is not None and np.ndim(a) > 0]
-    if len(consts) % 2:
-        return None
-    pairs = []
-    for w, sc in zip(consts[0::2], consts[1::2]):
-        if w.dtype != np.uint8 or w.ndim != 3 or sc.dtype.kind != "f" or \
-                sc.size != w.shape[0] * w.shape[1]:
-            return None
-        pairs.append((w, sc))
-    return pairs
+def layer_norm_params(region) -> tuple:
+    """(gamma, beta, eps) of a ``relax.nn.layer_norm`` region (ValueError otherwise)."""
+    func = region.func
+    for value in bindings(func).values():
+        if op_name(value) == "relax.nn.layer_norm":
+            idx = [param_index(func, v) for v in value.args[1:3]]
+            if any(i is None or region.args[i] is None for i in idx) or \
+                    [int(x) for x in value.attrs.axes] not in ([-1],) or \
+                    not (value.attrs.center and value.attrs.scale):
+                break
+            return region.args[idx[0]], region.args[idx[1]], float(value.attrs.epsilon)
+    raise ValueError("not a last-axis nn.layer_norm with constant gain and bias")
 
 
 def passthrough_outputs(func) -> list | None:
@@ -221,24 +280,39 @@ def passthrough_outputs(func) -> list | None:
 def offloadable(region) -> bool:
     """Can this region run on the NPU? Decided from kind, attributes and constants only
     (shapes may be symbolic); everything else stays on the host."""
+    try:
+        return _offloadable(region)
+    except (ValueError, StopIteration, KeyError, IndexError):
+        return False          # a form the kernel builders do not know: the host runs it
+
+
+def _offloadable(region) -> bool:
     kind, a, attrs = region.kind, region.args, region.attrs
-    if kind in ("linear", "lm_head", "mlp", "residual_add", "rms_norm") and \
-            passthrough_outputs(region.func) is None:
+    if kind in ("linear", "lm_head", "mlp", "residual_add", "rms_norm", "layer_norm",
+                "activation") and passthrough_outputs(region.func) is None:
         return False
-    if kind in ("linear", "lm_head") and _is_w4(attrs):
-        return len(_w4_pairs(a) or ()) == 1
-    if kind == "mlp" and all(_is_w4(attrs, p) for p in ("gate_", "up_", "down_")):
-        return attrs.get("edgetvm.gated") == "1" and attrs.get("edgetvm.activation") == \
-            "silu" and len(_w4_pairs(a) or ()) == 3
-    if kind in ("linear", "lm_head"):
-        return attrs.get("edgetvm.weight_format", "float32") in ("float32", "float16") and \
-            len(a) == 2 and a[1] is not None and np.ndim(a[1]) == 2
-    if kind == "mlp":
-        return attrs.get("edgetvm.gated") == "1" and attrs.get("edgetvm.activation") == "silu" \
-            and len(a) == 4 and all(v is not None and np.ndim(v) == 2 for v in a[1:]) \
-            and "w4a16" not in {attrs.get(f"edgetvm.{p}_weight_format") for p in
-                                ("gate", "up", "down")}
+    if kind in ("linear", "lm_head", "mlp"):
+        lins = linears(region)
+        if len(lins) != {"mlp": 3 if attrs.get("edgetvm.gated") == "1" else 2}.get(kind, 1):
+            return False
+        if any(lin.zero_kind not in ("none", "uint4") for lin in lins):
+            return False       # float zero points: no NPU format for them (host)
+        if any(not lin.w4 and str(np.asarray(a[lin.weight]).dtype) not in
+               ("float32", "float16") for lin in lins):
+            return False
+        if kind == "mlp":
+            _mlp_roles(region, lins)
+            return attrs.get("edgetvm.activation") in ("silu", "gelu", "gelu_tanh") and (
+                attrs.get("edgetvm.gated") == "1" or attrs.get("edgetvm.activation") != "silu")
+        return True
+    if kind == "activation":
+        gated = attrs.get("edgetvm.gated") == "1"
+        return len(region.runtime_positions) == (2 if gated else 1) and \
+            (gated or attrs.get("edgetvm.activation") != "silu")
     if kind == "rms_norm":
+        return len(region.runtime_positions) == 1
+    if kind == "layer_norm":
+        layer_norm_params(region)
         return len(region.runtime_positions) == 1
     if kind == "residual_add":
         return len(region.runtime_positions) == 2
@@ -252,3 +326,25 @@ def offloadable(region) -> bool:
     if kind == "attention":
         return region.attrs.get("edgetvm.merges_heads") == "1"
     return False
+
+
+def unsound_offloads(regions) -> set:
+    """Indices of accepted regions that must stay on the host because of another region's
+    decision: an NPU attention reads the KV cache from the device pages, which only NPU
+    KV-append regions write; if its K/V come from a KV append that runs on the host, the
+    attention runs on the host too (a NPU KV append's ``present`` output carries its data,
+    so host consumers of it are sound)."""
+    drop = set()
+    for r in regions:
+        if r.kind != "attention":
+            continue
+        try:
+            roles = attention_roles(r.func)
+        except ValueError:
+            drop.add(r.index)
+            continue
+        on_npu = [getattr(r.arg_sources[roles[x]], "kind", None) == "kv_append" for x in "kv"]
+        from_append = [r.arg_kinds[roles[x]] == "kv_append" for x in "kv"]
+        if from_append != on_npu or len(set(from_append)) != 1:
+            drop.add(r.index)
+    return drop

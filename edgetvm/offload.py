@@ -35,7 +35,11 @@ class Region:
     symbol: str
     runtime_positions: list = field(default_factory=list)
     arg_names: list = field(default_factory=list)     # call-site names of Var arguments
-    arg_sources: list = field(default_factory=list)   # kind of the region producing each
+    arg_sources: list = field(default_factory=list)   # the Region producing each, or None
+    callees: list = field(default_factory=list)       # attrs of the PrimFuncs it call_tir's
+    arg_kinds: list = field(default_factory=list)     # kind of the region computing each
+                                                      # arg in the annotated graph, offloaded
+                                                      # or not (None: not a region)
 
 
 def _const_value(e):
@@ -52,16 +56,24 @@ class _Rewriter(PyExprMutator):
         self.accept = accept
         self.prefix = prefix
         self.regions: list = []
+        self.calls = 0                  # composite calls seen: a region's index
+        self.kind_of = {}               # var bound to a composite call -> its kind
+        for block in mod["main"].body.blocks:
+            for b in block.bindings:
+                kind = _composite_kind(mod, b.value)
+                if kind is not None:
+                    self.kind_of[b.var] = kind
 
     def visit_call_(self, call):
+        arg_kinds = [self.kind_of.get(a) if isinstance(a, relax.Var) else None
+                     for a in call.args]
         call = super().visit_call_(call)
         if not isinstance(call.op, relax.GlobalVar):
             return call
-        func = self.mod_[call.op]
-        if not isinstance(func, relax.Function) or func.attrs is None \
-                or "Composite" not in func.attrs:
+        kind = _composite_kind(self.mod_, call)
+        if kind is None:
             return call
-        kind = str(func.attrs["Composite"]).removeprefix("edgetvm.")
+        func = self.mod_[call.op]
         args, runtime, pos = [], [], []
         for i, a in enumerate(call.args):
             v = _const_value(a)
@@ -69,16 +81,43 @@ class _Rewriter(PyExprMutator):
             if v is None:
                 runtime.append(a)
                 pos.append(i)
-        region = Region(len(self.regions), kind,
+        index, self.calls = self.calls, self.calls + 1
+        region = Region(index, kind,
                         {k: str(v) for k, v in func.attrs.items() if k.startswith("edgetvm.")},
                         args, [p.name for p in func.params], func,
-                        f"{self.prefix}.{len(self.regions)}", pos,
-                        [a.name if isinstance(a, relax.Var) else None for a in call.args])
+                        f"{self.prefix}.{index}", pos,
+                        [a.name if isinstance(a, relax.Var) else None for a in call.args],
+                        callees=_callee_attrs(self.mod_, func), arg_kinds=arg_kinds)
         if not self.accept(region):
             return call
         self.regions.append(region)
         return relax.call_pure_packed(region.symbol, *runtime,
                                       ty_args=_result_type(region, call, func))
+
+
+def _composite_kind(mod, value):
+    if isinstance(value, relax.TupleGetItem):
+        value = value.tuple_value
+    if isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar):
+        func = mod[value.op]
+        if isinstance(func, relax.Function) and func.attrs is not None \
+                and "Composite" in func.attrs:
+            return str(func.attrs["Composite"]).removeprefix("edgetvm.")
+    return None
+
+
+def _callee_attrs(mod, func) -> list:
+    """Attributes of the PrimFuncs ``func`` calls with ``call_tir``, in program order (the
+    W4A16 kernel says there whether it has zero points and a bias)."""
+    found = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and e.op == tvm.ir.Op.get("relax.call_tir"):
+            callee = mod[e.args[0]]
+            found.append({k: (v.value if hasattr(v, "value") else str(v))
+                          for k, v in (callee.attrs or {}).items()})
+    relax.analysis.post_order_visit(func.body, visit)
+    return found
 
 
 def _shaped(ty) -> bool:
@@ -113,8 +152,21 @@ def _result_type(region, call, func):
     return call.ty
 
 
-def offload_regions(mod: tvm.IRModule, accept, prefix: str):
-    """Rewrite the regions ``accept(region)`` takes; returns (new module, [Region])."""
+def offload_regions(mod: tvm.IRModule, accept, prefix: str, prune=None):
+    """Rewrite the regions ``accept(region)`` takes; returns (new module, [Region]).
+
+    ``prune(regions)``, if given, sees the accepted regions with their sources recorded
+    and returns the indices of those that must stay on the host after all: decisions that
+    are sound one region at a time but not as a whole (an NPU kernel reading device state
+    that a host region was to produce). The rewrite is then redone without them."""
+    new_mod, regions = _rewrite(mod, accept, prefix)
+    drop = set(prune(regions)) if prune is not None else set()
+    if drop:
+        new_mod, regions = _rewrite(mod, lambda r: r.index not in drop and accept(r), prefix)
+    return new_mod, regions
+
+
+def _rewrite(mod, accept, prefix):
     rw = _Rewriter(mod, accept, prefix)
     main = rw.visit_expr(mod["main"])
     mod = mod.clone()
@@ -126,7 +178,7 @@ def offload_regions(mod: tvm.IRModule, accept, prefix: str):
 
 def _record_sources(main, regions) -> None:
     """For each offloaded call, which of its arguments another offloaded region produced
-    (e.g. attention's K/V come from KV-append regions)."""
+    (e.g. attention's K/V come from KV-append regions): ``arg_sources[i]`` is that Region."""
     by_symbol = {r.symbol: r for r in regions}
     producer: dict = {}
     for block in main.body.blocks:
@@ -138,7 +190,7 @@ def _record_sources(main, regions) -> None:
             region = by_symbol.get(str(v.args[0].global_symbol))
             if region is None:
                 continue
-            producer[b.var] = region.kind
+            producer[b.var] = region
             runtime = list(v.args[1:])
             sources = [None] * len(region.args)
             for pos, a in zip(region.runtime_positions, runtime):

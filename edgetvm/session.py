@@ -41,8 +41,9 @@ from edgetvm.tir_schedules.workloads import embedding as embedding_workload
 
 from .kv_state import KVState, capacity_bucket
 from .npu_regions import (KernelCache, build_cluster, offloadable, passthrough_outputs,
-                          rows_of)
+                          rows_of, unsound_offloads)
 from .offload import offload_regions
+from .region_ops import activation_input, attention_roles, param_index, result_shapes, rope_roles
 
 log = logging.getLogger("edgetvm")
 _SESSION_IDS = itertools.count()
@@ -76,7 +77,7 @@ class NPUSession:
 
     def __init__(self, onnx_path, spec="edge-npu-16mb", profile=None, shape_overrides=None,
                  max_tokens: int = 1024, row_buckets=(16, 32, 64, 128, 256, 512, 1024),
-                 quantize: int | None = None):
+                 quantize: int | None = None, kv_page_pool=None):
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         t0 = time.time()
         self.imported = import_onnx(onnx_path, shape_overrides=shape_overrides)
@@ -89,7 +90,7 @@ class NPUSession:
             log.info("quantized linears to W4A16 (group %d)", quantize)
         mod = AnnotateLLMSemantics()(mod)
         prefix = f"edgetvm.npu.s{next(_SESSION_IDS)}"
-        mod, self.regions = offload_regions(mod, offloadable, prefix)
+        mod, self.regions = offload_regions(mod, offloadable, prefix, prune=unsound_offloads)
         log.info("offloaded %d regions to the NPU: %s", len(self.regions),
                  dict(Counter(r.kind for r in self.regions)))
         for r in self.regions:
@@ -105,11 +106,12 @@ class NPUSession:
         self.meter = StepMeter()
         self.row_buckets = tuple(sorted(row_buckets))
         self._max_tokens = max_tokens
-        self.kv = self._kv_state(max_tokens)
+        self._kv_page_pool = kv_page_pool
+        self.kv = self._kv_state()
         self._pending_kv: dict = {}
         self._attention_calls = 0
 
-    def _kv_state(self, max_tokens: int):
+    def _kv_state(self):
         kv_regions = [r for r in self.regions if r.kind == "kv_append"]
         if not kv_regions:
             return None
@@ -117,7 +119,11 @@ class NPUSession:
                   for i, n in enumerate(self.imported.input_names) if "past_key_values" in n]
         kv_heads, head_dim = int(shapes[0][1]), int(shapes[0][3])
         layers = len({_past_input(r)[0] for r in kv_regions})
-        return KVState(layers, kv_heads, head_dim, max_tokens)
+        return self._new_kv_state(layers, kv_heads, head_dim)
+
+    def _new_kv_state(self, layers: int, kv_heads: int, head_dim: int) -> KVState:
+        return KVState(layers, kv_heads, head_dim, self._max_tokens,
+                       page_pool=self._kv_page_pool)
 
     def bucket(self, rows: int) -> int:
         """The row count NPU programs are compiled for: decode rows stay 1, prefill rows
@@ -158,17 +164,20 @@ class NPUSession:
             return special(region)
 
         passthrough = passthrough_outputs(region.func)
+        order = _kernel_input_order(region)
 
         def run(*tensors):
             # shape arguments of the region's glue reshapes are not data
-            arrays = [t.numpy() for t in tensors if hasattr(t, "numpy")]
+            data = [t for t in tensors if hasattr(t, "numpy")]
+            arrays = [data[i].numpy() for i in order(len(data))]
+            shapes = result_shapes(region.func, region.runtime_positions, tensors)
             y = self._npu(region, arrays)
-            y = y.reshape(arrays[0].shape[:-1] + (y.shape[-1],)).astype(np.float32)
             if not passthrough:
-                return tvm.runtime.tensor(y)
+                return tvm.runtime.tensor(y.reshape(shapes[0]).astype(np.float32))
             x = arrays[0]
-            outs = [x.reshape(-1, x.shape[-1]) if p else y for p in passthrough]
-            return tvm_ffi.convert([tvm.runtime.tensor(np.ascontiguousarray(o)) for o in outs])
+            outs = [x if p else y for p in passthrough]
+            return tvm_ffi.convert([tvm.runtime.tensor(np.ascontiguousarray(
+                o.reshape(shp).astype(np.float32))) for o, shp in zip(outs, shapes)])
         return run
 
     def _npu(self, region, arrays) -> np.ndarray:
@@ -207,52 +216,32 @@ class NPUSession:
         return res.outputs["y"]
 
     def _rope_fn(self, region):
-        """RoPE: the rotation runs on the NPU; the host builds the per-position cos/sin rows
-        (``computes_cos_sin`` regions: cos/sin of position * inv_freq, a table lookup on a
-        device that stores the table) and does the head transpose (glue).
-
-        The region's arguments differ between exports (symbolic or folded shapes, cos/sin
-        computed or given), so they are told apart by rank and dtype."""
-        computes = region.attrs.get("edgetvm.computes_cos_sin") == "1"
+        """RoPE: the rotation runs on the NPU over (tokens, heads * rotary_dim) rows; the
+        host passes the per-position cos/sin rows the graph computed (a table lookup on a
+        device that stores the table), does the head transposes (glue) and, for partial
+        rotary, puts back the dimensions that do not rotate."""
+        roles = rope_roles(region.func)
+        rotary = int(region.attrs["edgetvm.rotary_dim"])
 
         def run(*args):
-            runtime = [v.numpy() for v in args if hasattr(v, "numpy")]
-            shape4 = next((tuple(int(x) for x in v) for v in args
-                           if not hasattr(v, "numpy") and len(v) == 4), None)
-            consts = [v for v in region.args if isinstance(v, np.ndarray)]
-            arrays = runtime + consts
-            # the projection output: (b, s, heads * d), or (b * s, heads * d) after a
-            # quantized linear's reshape
-            x = next(v for v in runtime if v.dtype.kind == "f" and v.ndim in (2, 3))
-            if computes:
-                pos_ids = next(v for v in runtime if v.dtype.kind in "iu")
-                inv = next(v for v in consts if v.dtype.kind == "f" and v.size > 1)
-                scal = [float(v) for v in consts if v.ndim == 0 and v.dtype.kind == "f"]
-                c_mul, s_mul = scal if len(scal) == 2 else (1.0, 1.0)
-                f = pos_ids.astype(np.float32)[:, :, None] * inv.reshape(1, 1, -1)
-                emb = np.concatenate([f, f], axis=-1)
-                cos = (np.cos(emb) * c_mul).astype(np.float32)
-                sin = (np.sin(emb) * s_mul).astype(np.float32)
-            else:
-                cos4, sin4 = [v for v in arrays if v.ndim == 4][:2]
-                cos, sin = cos4[:, 0], sin4[:, 0]
-            d = cos.shape[-1]
-            if shape4 is not None:
-                b, s, h, _ = shape4
-            else:
-                b, s, h = x.shape[0], x.shape[1], x.shape[-1] // d
-            cos = np.broadcast_to(cos, (b, s, d))
-            sin = np.broadcast_to(sin, (b, s, d))
+            given = dict(zip(region.runtime_positions, args))
+            const = dict(enumerate(region.args))
+            value = {k: (given[i].numpy() if i in given else const[i]) for k, i in roles.items()}
+            (out_shape,) = result_shapes(region.func, region.runtime_positions, args)
+            b, h, s, d = out_shape
+            x = value["x"]
+            if x.ndim == 4 and x.shape == (b, h, s, d):
+                x = x.transpose(0, 2, 1, 3)          # heads-major -> (b, s, h, d)
+            x = np.ascontiguousarray(x).reshape(b, s, h, d)
+            cos, sin = (np.broadcast_to(np.asarray(value[k], np.float32).reshape(
+                -1, s, rotary), (b, s, rotary)) for k in ("cos", "sin"))
             rows = b * s
-            y = self._npu(region, [x.reshape(rows, h * d), cos.reshape(rows, d),
-                                   sin.reshape(rows, d)])
-            out = y.reshape(b, s, h, d).transpose(0, 2, 1, 3).astype(np.float32)
-            out = tvm.runtime.tensor(np.ascontiguousarray(out))
-            if computes:
-                return tvm_ffi.convert([tvm.runtime.tensor(np.ascontiguousarray(cos[:, None])),
-                                        tvm.runtime.tensor(np.ascontiguousarray(sin[:, None])),
-                                        out])
-            return out
+            y = self._npu(region, [np.ascontiguousarray(x[..., :rotary]).reshape(rows, h * rotary),
+                                   cos.reshape(rows, rotary), sin.reshape(rows, rotary)])
+            y = y.reshape(b, s, h, rotary).astype(np.float32)
+            if rotary < d:
+                y = np.concatenate([y, x[..., rotary:].astype(np.float32)], axis=-1)
+            return tvm.runtime.tensor(np.ascontiguousarray(y.transpose(0, 2, 1, 3)))
         return run
 
     def _embedding_fn(self, region):
@@ -288,28 +277,24 @@ class NPUSession:
 
     def _kv_append_fn(self, region):
         """KV append: the new tokens' K/V go into the layer's paged cache on the device (the
-        append kernel writes only them). The region's value, the concatenated ``present``
-        of the ONNX graph, is only a graph output now (attention reads the pages): it is
-        returned with its shape and no data."""
+        append kernel writes only them; attention reads the pages). The region's value is
+        the ``present`` of the ONNX graph, a graph output a caller may read: it is returned
+        with its data, the given past followed by the new tokens."""
         layer, which, past_at = _past_input(region)
 
         def run(*args):
-            past_shape = tuple(args[past_at].shape)
+            past = args[past_at].numpy()
             new = next(a for i, a in enumerate(args) if i != past_at and hasattr(a, "numpy"))
-            new = new.numpy()
-            b, hk, _, d = past_shape
-            new = _heads_major(new, d)
-            if new.ndim != 4 or new.shape[1] != hk or new.shape[3] != d:
+            b, hk, pos, d = past.shape
+            new = _heads_major(new.numpy(), hk, d)
+            if new.ndim != 4 or new.shape[1] != hk or new.shape[3] != d or new.shape[0] != b:
                 raise EdgeTVMError(f"KV append region {region.index}: new tokens of shape "
-                                   f"{new.shape} do not match the cache {past_shape}")
-            s = new.shape[2]
-            pos = past_shape[-2]
+                                   f"{new.shape} do not match the cache {past.shape}")
             pend = self._pending_kv.setdefault(layer, {})
-            pend[which] = (new, args[past_at])
+            pend[which] = (new, past)
             if len(pend) == 2:
                 self._append(layer, pend.pop("key"), pend.pop("value"), pos)
-            present = past_shape[:-2] + (pos + s, d)
-            return tvm.runtime.tensor(np.zeros(present, np.float32))
+            return tvm.runtime.tensor(np.concatenate([past, new.astype(past.dtype)], axis=2))
         return run
 
     def _append(self, layer: int, k_in, v_in, pos: int) -> None:
@@ -320,10 +305,10 @@ class NPUSession:
         if pos == 0 and layer == 0:
             kv.reset()
         kv.reserve(pos, c)
-        if kv.layer_len.get(layer, 0) != pos:
-            # the caller brought its own past (e.g. a fixed-shape decode export): upload it
-            # into this layer's pages once; steps after that append on the device
-            self._upload_past(layer, k_past.numpy(), v_past.numpy())
+        if kv.layer_len.get(layer, 0) != pos or not self._past_on_device(layer, k_past, pos):
+            # the caller brought its own past (a fixed-shape decode export, or another
+            # sequence's): upload it into this layer's pages; later steps append on device
+            self._upload_past(layer, k_past, v_past)
         feeds = {}
         for name, x in (("k_new", k), ("v_new", v)):
             rows = np.zeros((c, kv.kv_heads, 1, kv.head_dim), np.float16)
@@ -353,6 +338,19 @@ class NPUSession:
         kv.layer_len[layer] = pos + s
         kv.length = pos + s
 
+    def _past_on_device(self, layer: int, k_past, pos: int) -> bool:
+        """Does the device hold this past? Its last token's keys are compared (fp16, as
+        stored); a caller that switched sequences at the same length is caught here."""
+        if pos == 0:
+            return True
+        kv = self.kv
+        state = self.emu.state.get(kv.names(layer)["K_cache"])
+        if state is None:
+            return False
+        t = pos - 1
+        stored = state[kv.page_table[t // kv.page_tokens], :, t % kv.page_tokens]
+        return bool(np.array_equal(stored, k_past[0, :, t].astype(np.float16)))
+
     def _upload_past(self, layer: int, k_past, v_past) -> None:
         """Host -> device copy of a given past into the layer's pages (not NPU traffic)."""
         kv = self.kv
@@ -374,30 +372,45 @@ class NPUSession:
     def _attention_fn(self, region):
         """Attention on the NPU over the paged KV cache: decode reads the pages through the
         page table up to the valid length; prefill (and chunked prefill) is causal,
-        flash-style, with the queries at ``pos``. Layers are the attention calls in order."""
+        flash-style, with the queries at ``pos``. The layer is that of the KV-append region
+        producing K (in an export without past: the attention calls in order).
+
+        The kernel masks by causality and length; a region that adds a mask is checked to
+        add exactly that (0 where a key is visible, -inf-like elsewhere), so a model with
+        an additive position bias (ALiBi) or padding is refused, not answered wrongly."""
         scale = float(region.attrs.get("edgetvm.scale", "nan"))
         roles = attention_roles(region.func)
+        hq, d = int(region.attrs["edgetvm.num_heads"]), int(region.attrs["edgetvm.head_dim"])
+        k_source = region.arg_sources[roles["k"]]
+        layer_of_k = _past_input(k_source)[0] if getattr(k_source, "kind", None) == \
+            "kv_append" else None
 
         def run(*args):
-            layer = self._attention_calls
-            self._attention_calls += 1
             given = dict(zip(region.runtime_positions, args))
-            q = given[roles["q"]].numpy()
-            b, hq, s, d = q.shape
-            if region.arg_sources[roles["k"]] != "kv_append":
+            q = _heads_major(given[roles["q"]].numpy(), hq, d)
+            b, _, s, _ = q.shape
+            layer = layer_of_k
+            if layer is None:
                 # an export without past: this call's K/V are the whole sequence; they go
                 # into the pages like any append, then attention reads the pages
-                k, v = (_heads_major(given[roles[r]].numpy(), d) for r in ("k", "v"))
+                layer = self._attention_calls
+                self._attention_calls += 1
+                hk = int(region.attrs["edgetvm.num_kv_heads"])
+                k, v = (_heads_major(given[roles[r]].numpy(), hk, d) for r in ("k", "v"))
                 if self.kv is None:
                     layers = sum(r.kind == "attention" for r in self.regions)
-                    self.kv = KVState(layers, k.shape[1], d, self._max_tokens)
-                empty = tvm.runtime.tensor(np.zeros(k.shape[:2] + (0, d), np.float32))
+                    self.kv = self._new_kv_state(layers, hk, d)
+                empty = np.zeros(k.shape[:2] + (0, d), np.float32)
                 self._append(layer, (k, empty), (v, empty), 0)
             kv = self.kv
-            out = self._attend(layer, q[0].transpose(1, 0, 2), kv.length - s,
+            pos = kv.layer_len[layer] - s
+            if "mask" in roles and roles["mask"] in given:
+                _check_causal_mask(given[roles["mask"]].numpy(), pos, s, region.index)
+            out = self._attend(layer, q[0].transpose(1, 0, 2), pos,
                                scale if scale == scale else d ** -0.5)
+            (shape,) = result_shapes(region.func, region.runtime_positions, args)
             return tvm.runtime.tensor(np.ascontiguousarray(
-                out.reshape(b, s, hq * d).astype(np.float32)))
+                out.reshape(shape).astype(np.float32)))
         return run
 
     def _attend(self, layer: int, q, pos: int, scale: float) -> np.ndarray:
@@ -436,51 +449,44 @@ class NPUSession:
         return res.outputs["out"][:s] if s > 1 else res.outputs["out"][None]
 
 
-def _heads_major(x, head_dim: int):
+def _kernel_input_order(region):
+    """``order(n)``: positions of the region's n runtime tensors in the order of the kernel's
+    inputs (a gated activation: the activation's input first, then the multiplier)."""
+    first = 0
+    if region.kind == "activation" and region.attrs.get("edgetvm.gated") == "1":
+        gate = param_index(region.func, activation_input(region))
+        tensors = [p for p in region.runtime_positions
+                   if isinstance(region.func.params[p].ty, relax.TensorType)]
+        first = tensors.index(gate)
+    return lambda n: [first] + [i for i in range(n) if i != first]
+
+
+def _check_causal_mask(mask, pos: int, s: int, index: int) -> None:
+    """Raise unless the additive ``mask`` (..., s, pos + s) is the causal mask of queries at
+    ``pos..pos + s - 1``: 0 where key j <= query position, <= -1e4 elsewhere."""
+    total = pos + s
+    m = mask.reshape(-1, mask.shape[-2], mask.shape[-1])
+    if m.shape[-2:] != (s, total):
+        raise EdgeTVMError(f"attention region {index}: mask of shape {mask.shape}, expected "
+                           f"(..., {s}, {total})")
+    visible = np.arange(total)[None, :] <= (pos + np.arange(s))[:, None]
+    ok = np.all(m[:, visible] == 0) and np.all(m[:, ~visible] <= -1e4)
+    if not ok:
+        raise EdgeTVMError(f"attention region {index}: the model adds a bias that is not the "
+                           f"causal mask (an additive position bias such as ALiBi, or "
+                           f"padding); the NPU attention kernel masks by causality only")
+
+
+def _heads_major(x, kv_heads: int, head_dim: int):
     """K/V as (b, kv_heads, s, head_dim): a projection output (b, s, heads * d) gets the
-    reshape and head transpose the region does (constant folding drops the transpose in
-    s == 1 exports, where it is the identity)."""
+    reshape and head transpose the region does; a (b, s, heads, d) one (an export that
+    dropped the transpose, which is the identity when s == 1) the transpose."""
     if x.ndim == 3:
         b, s, n = x.shape
         return x.reshape(b, s, n // head_dim, head_dim).transpose(0, 2, 1, 3)
+    if x.ndim == 4 and x.shape[1] != kv_heads and x.shape[2] == kv_heads:
+        return x.transpose(0, 2, 1, 3)
     return x
-
-
-_PASS_THROUGH = {"relax.reshape", "relax.permute_dims", "relax.expand_dims",
-                 "relax.broadcast_to", "relax.multiply", "relax.astype"}
-
-
-def attention_roles(func) -> dict:
-    """Which parameters of an attention region are q, k and v: trace the operands of its
-    two matmuls (``q @ k^T``, then ``p @ v``) back through layout ops and scalings."""
-    params = {p: i for i, p in enumerate(func.params)}
-    defs = {}
-    matmuls = []
-    for block in func.body.blocks:
-        for b in block.bindings:
-            defs[b.var] = b.value
-            if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == \
-                    "relax.matmul":
-                matmuls.append(b.value)
-
-    def tensor_arg(v):
-        # the operand that carries the data (not a scalar scale, not a shape)
-        for a in v.args:
-            if isinstance(a, relax.Var) and getattr(a.ty, "ndim", 0) >= 2:
-                return a
-        raise EdgeTVMError("attention region: cannot trace its q/k/v inputs")
-
-    def source(e):
-        while e not in params:
-            v = defs.get(e)
-            if not isinstance(v, relax.Call) or getattr(v.op, "name", "") not in _PASS_THROUGH:
-                raise EdgeTVMError("attention region: cannot trace its q/k/v inputs")
-            e = tensor_arg(v)
-        return params[e]
-    if len(matmuls) != 2:
-        raise EdgeTVMError(f"attention region with {len(matmuls)} matmuls (expected 2)")
-    return {"q": source(matmuls[0].args[0]), "k": source(matmuls[0].args[1]),
-            "v": source(matmuls[1].args[1])}
 
 
 def _past_input(region) -> tuple:

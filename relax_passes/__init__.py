@@ -5,6 +5,7 @@ ONNX-imported Relax graph and group each into a composite function carrying its
 parameters; ``semantic_report`` measures what they recognised.
 """
 
+from .annotate_activation import AnnotateActivation
 from .annotate_attention import AnnotateAttention
 from .annotate_attention_mask import AnnotateAttentionMask
 from .annotate_embedding import AnnotateEmbedding
@@ -22,6 +23,7 @@ from .quantize_w4a16 import QuantizeW4A16
 from .semantic_report import COVERAGE_DEFINITION, LayerSummary, SemanticReport, semantic_report
 
 __all__ = [
+    "AnnotateActivation",
     "AnnotateAttention",
     "AnnotateAttentionMask",
     "AnnotateEmbedding",

@@ -47,13 +47,14 @@ def matmul_const(inp):
     return call("relax.matmul", inp, is_const())
 
 
-def projection_variants(inp, name: str = "") -> list:
+def projection_variants(inp, name: str = "", reshaped_input: bool = False) -> list:
     """The spellings of one projection of ``inp``, longest first, for a pattern root.
 
     ``FuseOpsByPattern`` does not fall back from a longer to a shorter alternative of an
     OrPattern at the root, so each spelling is its own root pattern: ``x @ W + b``,
     ``reshape(w4a16(x))`` (back to the activation's rank), then the bare
-    ``x @ W`` / ``w4a16(x)``.
+    ``x @ W`` / ``w4a16(x)``. ``reshaped_input`` also accepts ``reshape(x) @ W``
+    (exporters flatten the activation to 2-D for a GEMM, GPT-2's Conv1D).
 
     Returns
     -------
@@ -62,17 +63,22 @@ def projection_variants(inp, name: str = "") -> list:
         Annotations shared by all variants: ``<name>dense`` (the matmul) or
         ``<name>w4`` (the call_tir), and ``<name>bias`` where present.
     """
-    dense, w4, bias = matmul_const(inp), w4a16_call(inp), is_const()
+    dense_inp = call("relax.reshape", inp) | inp if reshaped_input else inp
+    dense, w4, bias = matmul_const(dense_inp), w4a16_call(inp), is_const()
     variants = [call("relax.add", dense, bias), call("relax.reshape", w4), dense | w4]
     return variants, {name + "dense": dense, name + "w4": w4, name + "bias": bias}
 
 
-def projection(inp, name: str = ""):
-    """All spellings of a projection as one pattern, for use inside a larger pattern."""
-    variants, annotations = projection_variants(inp, name)
+def projection(inp, name: str = "", reshaped: bool = False):
+    """All spellings of a projection as one pattern, for use inside a larger pattern;
+    ``reshaped`` also accepts a reshape of the input and of the result (the flattening
+    around a 2-D GEMM)."""
+    variants, annotations = projection_variants(inp, name, reshaped_input=reshaped)
     pattern = variants[0]
     for alt in variants[1:]:
         pattern = pattern | alt
+    if reshaped:
+        pattern = call("relax.reshape", pattern) | pattern
     return pattern, annotations
 
 

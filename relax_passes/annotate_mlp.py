@@ -1,47 +1,33 @@
-"""AnnotateMLP: the transformer feed-forward block (SwiGLU or GELU)."""
+"""AnnotateMLP: the transformer feed-forward block (SwiGLU, GeGLU or GELU)."""
 
 from __future__ import annotations
 
 import tvm
-from tvm.relax.dpl import is_const, wildcard
+from tvm.relax.dpl import wildcard
 
+from ._activation import activation, activation_name
 from ._fusion import RegionPattern, call, fuse_regions, static_shape
-from ._projection import call_tir_ok, projection, projection_attrs, projection_variants, weight_is_2d
-
-
-def _gelu(u):
-    """GELU as an op or in the two decomposed spellings of torch exports."""
-    erf_form = call(
-        "relax.multiply",
-        call("relax.multiply", u, call("relax.add", call("relax.erf", call("relax.divide", u, is_const())), is_const())),
-        is_const(),
-    )
-    cubic = call("relax.multiply", is_const(), call("relax.power", u, is_const()))
-    inner = call("relax.multiply", is_const(), call("relax.add", u, cubic))
-    tanh_form = call(
-        "relax.multiply",
-        call("relax.multiply", is_const(), u),
-        call("relax.add", is_const(), call("relax.tanh", inner)),
-    )
-    return call("relax.nn.gelu", u) | call("relax.nn.gelu_tanh", u) | erf_form | tanh_form
+from ._projection import (call_tir_ok, projection, projection_attrs, projection_variants,
+                          weight_is_2d)
 
 
 def mlp_patterns(mod: tvm.IRModule) -> list[RegionPattern]:
-    """``down(silu(gate(x)) * up(x))`` and ``down(gelu(up(x)))``, projections plain,
-    with bias or W4A16 (see ``_projection``)."""
+    """``down(act(gate(x)) * up(x))`` (act SiLU or GELU) and ``down(act(up(x)))``,
+    projections plain, with bias or W4A16 (see ``_projection``), each optionally between
+    the reshapes an exporter puts around a 2-D GEMM (GPT-2's Conv1D)."""
     x = wildcard()
-    gate, gate_ann = projection(x, "gate_")
-    up, up_ann = projection(x, "up_")
-    silu = call("relax.multiply", gate, call("relax.sigmoid", gate)) | call("relax.nn.silu", gate)
-    swiglu_hidden = call("relax.multiply", silu, up)
-    gelu_hidden = _gelu(up)
+    gate, gate_ann = projection(x, "gate_", reshaped=True)
+    up, up_ann = projection(x, "up_", reshaped=True)
+    gated_act, gated_ann = activation(gate)
+    plain_act, plain_ann = activation(up)
+    hidden = {True: call("relax.multiply", gated_act, up), False: plain_act}
 
     def check(m, ctx):
         return call_tir_ok(mod, ctx) and weight_is_2d(ctx)
 
     def attrs(m, gated):
         values = {
-            "activation": "silu" if gated else "gelu",
+            "activation": activation_name(m),
             "gated": gated,
             "hidden_size": static_shape(m["x"])[-1],
             "intermediate_size": projection_attrs(mod, m, "up_")["up_out_features"],
@@ -52,13 +38,12 @@ def mlp_patterns(mod: tvm.IRModule) -> list[RegionPattern]:
         return values
 
     patterns = []
-    for gated, hidden in ((True, swiglu_hidden), (False, gelu_hidden)):
-        downs, down_ann = projection_variants(hidden, "down_")
-        annotations = {"x": x, **up_ann, **down_ann, **(gate_ann if gated else {})}
-        patterns += [
-            RegionPattern("mlp", down, annotations, check, lambda m, gated=gated: attrs(m, gated))
-            for down in downs
-        ]
+    for gated in (True, False):
+        downs, down_ann = projection_variants(hidden[gated], "down_", reshaped_input=True)
+        annotations = {"x": x, **up_ann, **down_ann,
+                       **(dict(gate_ann, **gated_ann) if gated else plain_ann)}
+        patterns += [RegionPattern("mlp", down, annotations, check,
+                                   lambda m, gated=gated: attrs(m, gated)) for down in downs]
     return patterns
 
 
@@ -69,10 +54,11 @@ class AnnotateMLP:
 
     The whole block is one region so the NPU can keep the (seq, intermediate) activation
     in TCM between the up and down projections; the projections inside are counted as
-    linears too (``num_linears``). Attributes: ``activation``, ``gated``,
-    ``hidden_size``, ``intermediate_size``, ``num_linears`` and per projection
-    (``gate_``/``up_``/``down_`` prefixes) ``in_features``, ``out_features``, ``bias``,
-    ``weight_format``, ``group_size`` (W4A16).
+    linears too (``num_linears``). Attributes: ``activation`` (``silu``, ``gelu``: erf
+    form, ``gelu_tanh``), ``gated``, ``hidden_size``, ``intermediate_size``,
+    ``num_linears`` and per projection (``gate_``/``up_``/``down_`` prefixes)
+    ``in_features``, ``out_features``, ``bias``, ``weight_format``, ``group_size``
+    (W4A16).
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:

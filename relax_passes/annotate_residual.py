@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tvm
+from tvm import relax
 from tvm.relax.dpl import wildcard
 
 from ._fusion import (
@@ -16,8 +17,42 @@ from ._fusion import (
     static_shape,
 )
 
-# A residual add closes a block whose output comes from one of these regions.
-_BLOCK_OUTPUTS = ("linear", "mlp", "attention")
+# A residual add closes a block whose output comes from one of these regions (a residual
+# add itself: GPT-NeoX's parallel residual adds attention and MLP outputs, then the stream).
+_BLOCK_OUTPUTS = ("linear", "mlp", "attention", "residual_add")
+
+
+def _producer_kind(mod, bindings, expr):
+    """Kind of the region producing ``expr``, looking through reshapes (an exporter's
+    flattening around a 2-D GEMM)."""
+    while True:
+        kind = composite_kind(mod, bindings, expr)
+        value = bindings.get(expr)
+        if kind is not None or not (isinstance(value, relax.Call) and
+                                    getattr(value.op, "name", "") == "relax.reshape"):
+            return kind
+        expr = value.args[0]
+
+
+def _depends_on(bindings, expr, target, seen=None) -> bool:
+    """True if ``expr`` is computed from ``target`` (inside the entry function)."""
+    seen = set() if seen is None else seen
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        if e.same_as(target):
+            return True
+        if not isinstance(e, relax.Var) or e in seen:
+            continue
+        seen.add(e)
+        value = bindings.get(e)
+        if isinstance(value, relax.Call):
+            stack.extend(a for a in value.args if isinstance(a, relax.Var))
+        elif isinstance(value, relax.TupleGetItem):
+            stack.append(value.tuple_value)
+        elif isinstance(value, relax.Tuple):
+            stack.extend(f for f in value.fields if isinstance(f, relax.Var))
+    return False
 
 
 def residual_patterns(mod: tvm.IRModule) -> list[RegionPattern]:
@@ -34,8 +69,13 @@ def residual_patterns(mod: tvm.IRModule) -> list[RegionPattern]:
         shape = static_shape(ctx.matched_expr)
         if not (is_float(ctx.matched_expr) and static_shape(lhs) == shape == static_shape(rhs)):
             return False
-        kinds = (composite_kind(mod, bindings, lhs), composite_kind(mod, bindings, rhs))
-        return any(kind in _BLOCK_OUTPUTS for kind in kinds)
+        kinds = (_producer_kind(mod, bindings, lhs), _producer_kind(mod, bindings, rhs))
+        for block_out, stream, kind in ((lhs, rhs, kinds[0]), (rhs, lhs, kinds[1])):
+            # the stream bypasses the block: an add of the block output with something
+            # computed from it (GELU's x + 0.044715 x^3) is not a residual connection
+            if kind in _BLOCK_OUTPUTS and not _depends_on(bindings, stream, block_out):
+                return True
+        return False
 
     def attrs(m):
         return {"hidden_size": static_shape(m["a"])[-1]}
@@ -54,4 +94,16 @@ class AnnotateResidual:
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return fuse_regions(mod, residual_patterns(mod))
+        # a residual add of a residual add's output is recognised once the first one is a
+        # region: repeat until nothing new is found (two rounds for a parallel residual)
+        for _ in range(4):
+            before = _region_count(mod)
+            mod = fuse_regions(mod, residual_patterns(mod))
+            if _region_count(mod) == before:
+                break
+        return mod
+
+
+def _region_count(mod: tvm.IRModule) -> int:
+    return sum(1 for _, f in mod.functions_items()
+               if isinstance(f, relax.Function) and f.attrs is not None and "Composite" in f.attrs)

@@ -1,9 +1,10 @@
-"""AnnotateRoPE: rotary position embedding (rotate-half form) on query and key heads."""
+"""AnnotateRoPE: rotary position embedding (rotate-half form, full or partial) on query and
+key heads."""
 
 from __future__ import annotations
 
 import tvm
-from tvm.relax.dpl import is_const, is_tuple, wildcard
+from tvm.relax.dpl import is_tuple, wildcard
 
 from ._fusion import RegionPattern, call, fuse_regions, head_split, static_shape
 
@@ -15,74 +16,69 @@ def _rotate_half(x):
     return call("relax.concat", is_tuple([call("relax.negative", upper), lower]))
 
 
-def _cos_sin_from_positions():
-    """cos/sin tables computed from position ids: ``f = inv_freq @ float(pos)`` (or
-    ``float(pos) * inv_freq``, the legacy exporter),
-    ``emb = concat(f, f)``, ``cos(emb)`` / ``sin(emb)`` (times ``attention_scaling`` in
-    newer transformers exports), unsqueezed on the head axis."""
-    positions = wildcard()
-    pos_float = call("relax.astype", call("relax.expand_dims", positions) | positions)
-    inv_freq = call("relax.broadcast_to", is_const()) | is_const()
-    freqs = call("relax.permute_dims", call("relax.matmul", inv_freq, pos_float)) | call(
-        "relax.multiply", pos_float, is_const()
-    )
-    emb = call("relax.concat", is_tuple([freqs, freqs]))
+def _rotation(x, cos, sin):
+    """``x * cos + rotate_half(x) * sin``."""
+    return call("relax.add", call("relax.multiply", x, cos),
+                call("relax.multiply", _rotate_half(x), sin))
 
-    def table(fn):  # optionally times attention_scaling (1.0 for plain RoPE)
-        raw = call(fn, emb)
-        return call("relax.expand_dims", call("relax.multiply", raw, is_const()) | raw)
 
-    cos, sin = table("relax.cos"), table("relax.sin")
-    return cos, sin, positions
+def _last_axis_slice(expr) -> tuple:
+    """(begin, end) of a ``strided_slice`` on the last axis with unit stride; ValueError
+    for any other slice."""
+    args = expr.args    # 0.27: axes, begin, end and strides are tuple arguments
+    axes, begin, end = ([int(v) for v in a.fields] for a in args[1:4])
+    strides = [int(v) for v in args[4].fields] if len(args) > 4 else [1]
+    ndim = len(static_shape(args[0]))
+    if len(axes) != 1 or axes[0] % ndim != ndim - 1 or strides not in ([1], []):
+        raise ValueError("not a last-axis slice")
+    return begin[0], end[0]
 
 
 def rope_patterns() -> list[RegionPattern]:
-    """``x * cos + rotate_half(x) * sin``, ``x`` including its head split.
+    """``x * cos + rotate_half(x) * sin``, ``x`` including its head split, and the partial
+    form ``concat(rotate(x[..., :r]), x[..., r:])`` (GPT-NeoX/Pythia, Phi-2: only the first
+    ``r`` of each head's ``d`` dimensions rotate).
 
-    When cos/sin are computed from position ids (the decode graphs), the first RoPE
-    region in program order also computes the tables and exports them to the other
-    RoPE regions (a shared value can belong to one region only); when the exporter
-    folded them to constants (fixed-length prefill) every region takes them as inputs.
+    cos/sin are inputs of the region: whether the exporter computes them from the position
+    ids or folded them to constants, that table is computed once per call and shared by
+    every layer, so it stays outside (on the host, like the other index arithmetic).
     """
-    projected = wildcard()
-    x = head_split(projected)
-    cos_pos, sin_pos, positions = _cos_sin_from_positions()
     cos, sin = wildcard(), wildcard()
+    full = _rotation(head_split(wildcard()), cos, sin)
+    heads = wildcard()
+    rot_part = call("relax.strided_slice", heads)
+    pass_part = call("relax.strided_slice", heads)
+    partial = call("relax.concat", is_tuple([_rotation(rot_part, cos, sin), pass_part]))
 
-    def rope(c, s):
-        return call("relax.add", 
-            call("relax.multiply", x, c), call("relax.multiply", _rotate_half(x), s)
-        )
-
-    claimed = []
-
-    def check(m, ctx):
+    def check_full(m, ctx):
         shape = static_shape(ctx.matched_expr)
-        if len(shape) != 4 or (isinstance(shape[-1], int) and shape[-1] % 2):
-            return False
-        if "positions" in m:
-            # FuseOpsByPattern lets a later match steal nodes shared with an earlier group
-            # (leaving the earlier group reading undefined vars), so exactly one region
-            # may claim the shared cos/sin computation: the first in program order.
-            if claimed:
-                return False
-            claimed.append(ctx.matched_expr)
-        return True
+        return len(shape) == 4 and not (isinstance(shape[-1], int) and shape[-1] % 2)
 
-    def attrs(m):
-        _, heads, seq, head_dim = static_shape(m["root"])
+    def check_partial(m, ctx):
+        if not check_full(m, ctx) or len(static_shape(m["heads"])) != 4:
+            return False
+        rot_begin, rot_end = _last_axis_slice(m["rot_part"])
+        pass_begin, pass_end = _last_axis_slice(m["pass_part"])
+        d = static_shape(m["heads"])[-1]
+        return (rot_begin == 0 and pass_begin == rot_end and pass_end >= d
+                and rot_end % 2 == 0 and int(ctx.matched_expr.attrs.axis) in (-1, 3))
+
+    def attrs(m, partial_form):
+        _, heads_n, seq, head_dim = static_shape(m["root"])
+        rotary = static_shape(m["rot_part"])[-1] if partial_form else head_dim
         return {
-            "num_heads": heads,
+            "num_heads": heads_n,
             "seq_len": seq,
             "head_dim": head_dim,
-            "rotary_dim": head_dim,
+            "rotary_dim": rotary,
             "style": "rotate_half",
-            "computes_cos_sin": "positions" in m,
         }
 
     return [
-        RegionPattern("rope", root, {"root": root, "positions": positions}, check, attrs)
-        for root in (rope(cos_pos, sin_pos), rope(cos, sin))
+        RegionPattern("rope", partial, {"root": partial, "heads": heads, "rot_part": rot_part,
+                                        "pass_part": pass_part}, check_partial,
+                      lambda m: attrs(m, True)),
+        RegionPattern("rope", full, {"root": full}, check_full, lambda m: attrs(m, False)),
     ]
 
 
@@ -92,9 +88,9 @@ class AnnotateRoPE:
     (query and key separately: a 2-layer model has 4 RoPE regions).
 
     The rotate-half spelling costs two slices, a negate and a concat per tensor; on the
-    NPU it is one vector kernel that reads the (seq, head_dim) cos/sin tables once per
-    tile. Attributes: ``num_heads``, ``seq_len``, ``head_dim``, ``rotary_dim``, ``style``,
-    ``computes_cos_sin``.
+    NPU it is one vector kernel that reads the (seq, rotary_dim) cos/sin rows once per
+    tile. Attributes: ``num_heads``, ``seq_len``, ``head_dim``, ``rotary_dim`` (``<
+    head_dim`` for partial rotary), ``style``.
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import tvm
+from tvm import relax
 
+from .annotate_activation import AnnotateActivation
 from .annotate_attention import AnnotateAttention
 from .annotate_attention_mask import AnnotateAttentionMask
 from .annotate_embedding import AnnotateEmbedding
@@ -21,13 +23,18 @@ from .remove_identity_casts import RemoveIdentityCasts
 def semantic_passes() -> list:
     """The passes, in order. Why this order:
 
-    - identity casts first: they sit between the ops the patterns look for;
+    - constants folded first: exporters compute some constants in the graph (GPT-2's
+      attention scale ``sqrt(1 / sqrt(head_dim))``, Gemma's ``1 + weight``), and a pattern
+      that expects a constant would not see one;
+    - identity casts next: they sit between the ops the patterns look for;
     - norms, RoPE and KV append before attention: they are attention's inputs, and a
       wildcard input may be a region output but never absorbs one;
     - MLP and lm_head before linear: they contain projections and claim them first;
+    - activations after MLP: the MLP claims its own, the rest are standalone;
     - residual last: it is recognised next to the block regions.
     """
     return [
+        relax.transform.FoldConstant(),
         RemoveIdentityCasts(),
         AnnotateEmbedding(),
         AnnotateAttentionMask(),
@@ -37,6 +44,7 @@ def semantic_passes() -> list:
         AnnotateKVAppend(),
         AnnotateAttention(),
         AnnotateMLP(),
+        AnnotateActivation(),
         AnnotateLMHead(),
         AnnotateLinear(),
         AnnotateResidual(),

@@ -25,7 +25,7 @@ PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
 MMA_DTYPES = ("fp16", "int8", "w4a16")
 #: vector ops with a per-op cost (cycles per ``vector_lanes`` elements).
 VECTOR_OPS = ("add", "sub", "mul", "max", "div", "reduce_max", "reduce_sum", "exp", "rsqrt",
-              "silu", "gelu", "rope", "mask", "cast", "copy")
+              "silu", "gelu", "gelu_tanh", "rope", "mask", "cast", "copy")
 UNITS = ("dma", "matrix", "vector", "host")
 
 

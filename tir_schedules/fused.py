@@ -62,6 +62,8 @@ PIECES = {
     "rope": W.rope_te,
     "silu_mul": W.silu_mul_te,
     "gelu": W.gelu_te,
+    "gelu_mul": W.gelu_mul_te,
+    "bias_add": W.bias_add_te,
     "softmax": W.softmax_te,
     "add": W.add_te,
     "linear_w4a16": W.linear_w4a16_te,

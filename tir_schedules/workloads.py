@@ -142,16 +142,36 @@ def silu_mul_te(g, u, name: str = "silu_mul"):
                       name=name, attrs=_op("vector:mul"))
 
 
-def gelu_te(x, name: str = "gelu"):
-    """GELU, erf form: ``0.5 * x * (1 + erf(x / sqrt(2)))`` (one vector op, fp32 inside)."""
-    m, n = (int(s) for s in x.shape)
+def _gelu(v, approximate: str):
+    """GELU of the fp32 value ``v``: erf form or tanh approximation; (expression, op)."""
+    half, one = tirx.const(0.5, F32), tirx.const(1.0, F32)
+    if approximate == "tanh":
+        inner = tirx.const(0.7978845608028654, F32) * (v + tirx.const(0.044715, F32) * v * v * v)
+        return half * v * (one + tirx.tanh(inner)), "vector:gelu_tanh"
+    if approximate == "none":
+        return half * v * (one + tirx.erf(v * tirx.const(0.7071067811865476, F32))), "vector:gelu"
+    raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
-    def f(i, j):
-        v = x[i, j].astype(F32)
-        return (tirx.const(0.5, F32) * v *
-                (tirx.const(1.0, F32) + tirx.erf(v * tirx.const(0.7071067811865476, F32))))
-    return te.compute((m, n), lambda i, j: f(i, j).astype(x.dtype), name=name,
-                      attrs=_op("vector:gelu"))
+
+def gelu_te(x, approximate: str = "none", name: str = "gelu"):
+    """GELU as one vector op, fp32 inside: the erf form ``0.5 * x * (1 + erf(x / sqrt(2)))``
+    (``approximate="none"``, op ``gelu``) or the tanh approximation
+    ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))`` (``"tanh"``, op
+    ``gelu_tanh``: GPT-2's ``gelu_new``, Gemma's ``gelu_pytorch_tanh``)."""
+    m, n = (int(s) for s in x.shape)
+    op = _gelu(tirx.const(0.0, F32), approximate)[1]
+    return te.compute((m, n), lambda i, j: _gelu(x[i, j].astype(F32), approximate)[0]
+                      .astype(x.dtype), name=name, attrs=_op(op))
+
+
+def gelu_mul_te(g, u, approximate: str = "none", name: str = "gelu_mul"):
+    """``gelu(g) * u`` (GeGLU, Gemma's gated MLP); fp32 between the two ops."""
+    m, n = (int(s) for s in g.shape)
+    op = _gelu(tirx.const(0.0, F32), approximate)[1]
+    a = te.compute((m, n), lambda i, j: _gelu(g[i, j].astype(F32), approximate)[0],
+                   name=f"{name}_gelu", attrs=_op(op))
+    return te.compute((m, n), lambda i, j: (a[i, j] * u[i, j].astype(F32)).astype(g.dtype),
+                      name=name, attrs=_op("vector:mul"))
 
 
 def softmax_te(x, name: str = "softmax"):
@@ -176,6 +196,13 @@ def add_te(a, b, name: str = "add"):
     m, n = (int(s) for s in a.shape)
     return te.compute((m, n), lambda i, j: (a[i, j].astype(F32) + b[i, j].astype(F32))
                       .astype(a.dtype), name=name, attrs=_op("vector:add"))
+
+
+def bias_add_te(x, b, name: str = "bias_add"):
+    """``x + b`` with a row-invariant ``b`` (n,): a linear's bias."""
+    m, n = (int(s) for s in x.shape)
+    return te.compute((m, n), lambda i, j: (x[i, j].astype(F32) + b[j].astype(F32))
+                      .astype(x.dtype), name=name, attrs=_op("vector:add"))
 
 
 def linear_w4a16_te(x, w, s, z=None, name: str = "linear"):
@@ -272,9 +299,9 @@ def silu_mul(m: int, n: int):
     return row_prim_func([g, u], [silu_mul_te(g, u, name="out")])
 
 
-def gelu(m: int, n: int):
+def gelu(m: int, n: int, approximate: str = "none"):
     x = te.placeholder((m, n), "float16", name="x")
-    return row_prim_func([x], [gelu_te(x, name="out")])
+    return row_prim_func([x], [gelu_te(x, approximate, name="out")])
 
 
 def softmax(m: int, n: int):

@@ -15,6 +15,15 @@ optimum, notes/tvm-0.27.md). Two converters are at fault:
 ``ConstantOfShape``
     With an empty shape tensor (a scalar result, used for the mask's fill value) it
     calls ``broadcast_to`` with a rank-0 target and fails. The fix returns the scalar.
+``Gather`` on a shape
+    ``Shape(x)[[-1]]`` (a 1-D index) is turned into a run-time ``take`` even when the
+    dimensions it selects are static. Exports that split a fused projection in halves
+    (Phi-3's ``gate_up``, GPT-NeoX's partial rotary) compute the Slice bounds from it,
+    so the Slice becomes a ``dynamic_strided_slice`` whose result has no shape, and a
+    later ``Shape`` of that result cannot be gathered from at all. The fix returns the
+    selected static dimensions as a constant, so TVM folds the arithmetic on them and
+    the Slice keeps its shape. A shape whose type is known only by rank (not a
+    ``ShapeExpr``) is gathered from through ``shape_to_tensor`` instead of failing.
 
 Each override has the signature ``(bb, inputs, attrs, params, fallback)`` and calls
 ``fallback()`` (TVM's own converter) for every case it does not fix.
@@ -69,6 +78,31 @@ def convert_constant_of_shape(bb, inputs, attrs, params, fallback):
     return fallback()
 
 
+def convert_gather(bb, inputs, attrs, params, fallback):
+    """``Gather`` from a shape at constant indices that select static dimensions -> a
+    constant; from a shape known only by rank -> ``take`` on ``shape_to_tensor``."""
+    del params
+    data, indices = inputs[0], inputs[1]
+    if not isinstance(data, relax.Expr) or not isinstance(data.ty, relax.ShapeType):
+        return fallback()
+    if isinstance(data, relax.ShapeExpr) and isinstance(indices, tvm.ir.GenericConst):
+        index = indices.value.numpy()
+        dims = list(data.values)
+        picked = np.take(np.arange(len(dims)), index)
+        if index.ndim > 0 and all(isinstance(dims[i], tvm.tirx.IntImm) for i in picked.flat):
+            values = np.vectorize(lambda i: int(dims[i]), otypes=[np.int64])(picked)
+            return relax.const(values.astype(np.int64), "int64")
+    if isinstance(data, relax.ShapeExpr):
+        return fallback()
+    axis = int(attrs.get("axis", 0))
+    tensor = bb.normalize(relax.op.shape_to_tensor(data))
+    if isinstance(indices, tvm.ir.GenericConst):
+        index = indices.value.numpy()
+        index = np.where(index < 0, index + data.ty.ndim, index)
+        indices = relax.const(index.astype(np.int64), "int64")
+    return relax.op.take(tensor, indices, axis=axis)
+
+
 def _constant_scalar(value):
     if isinstance(value, tvm.ir.GenericConst):
         array = value.value.numpy()
@@ -91,4 +125,5 @@ def _range_dtype(inputs):
 DYNAMIC_SHAPE_FIXES = {
     "Range": convert_range,
     "ConstantOfShape": convert_constant_of_shape,
+    "Gather": convert_gather,
 }

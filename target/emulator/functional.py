@@ -105,6 +105,8 @@ def vector(cmd: Vector, tcm: np.ndarray, params) -> None:
         r = x / (1.0 + np.exp(-x))
     elif op == "gelu":
         r = 0.5 * x * (1.0 + _erf(x * _F32(0.7071067811865476)))
+    elif op == "gelu_tanh":
+        r = 0.5 * x * (1.0 + np.tanh(_F32(0.7978845608028654) * (x + _F32(0.044715) * x * x * x)))
     elif op in ("cast", "copy"):
         r = tcm_view(tcm, cmd.srcs[0])
     elif op == "rope":

@@ -27,10 +27,8 @@ from edgetvm.frontend.matmul_nbits import LINEAR_W4A16
 
 ort = pytest.importorskip("onnxruntime")
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-# examples/ ships llama_tiny_with_past.onnx so the main test always runs; the other four
-# come from the shared model folder next to the repository.
-MODEL_DIRS = (REPO / "examples", REPO.parent / "shared" / "models")
+# the tiny Llama exports of tests/data (see its README.md)
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 TARGET = {"kind": "llvm", "num-cores": 2}
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 W4_TOL = dict(atol=5e-5, rtol=5e-5)
@@ -43,14 +41,12 @@ MODEL_CASES = [
     ("llama_tiny_prefill_s8.onnx", [(8, 0)], FP32_TOL),
     ("llama_tiny_decode_p8.onnx", [(1, 8)], FP32_TOL),
     ("llama_tiny_decode_p8_w4.onnx", [(1, 8)], W4_TOL),
+    ("llama_tiny_decode_p8_w4_g64_zp.onnx", [(1, 8)], W4_TOL),
 ]
 
 
 def model_path(name: str) -> pathlib.Path:
-    for directory in MODEL_DIRS:
-        if (directory / name).is_file():
-            return directory / name
-    pytest.skip(f"test model {name} not found in {' or '.join(map(str, MODEL_DIRS))}")
+    return DATA / name
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,7 +67,7 @@ def llama_feeds(session, seq: int, past: int, seed: int = 0) -> dict[str, np.nda
     feeds = {}
     for value in session.get_inputs():
         if value.name == "input_ids":
-            feeds[value.name] = rng.integers(0, 2048, (1, seq), dtype=np.int64)
+            feeds[value.name] = rng.integers(0, 512, (1, seq), dtype=np.int64)
         elif value.name == "attention_mask":
             mask = np.ones((1, past + seq), np.int64)
             mask[:, : min(2, past)] = 0  # left padding in the cache exercises the mask path
@@ -190,9 +186,13 @@ def _constants(func) -> list[np.ndarray]:
     return [constant.value.numpy() for constant in found]
 
 
-def test_w4_weights_stay_packed():
-    imported, _, _ = compiled("llama_tiny_decode_p8_w4.onnx")
-    model = onnx.load(model_path("llama_tiny_decode_p8_w4.onnx"))
+@pytest.mark.parametrize("name, block, zero_points", [
+    ("llama_tiny_decode_p8_w4.onnx", 32, 0),
+    ("llama_tiny_decode_p8_w4_g64_zp.onnx", 64, 1),    # K=160 in blocks of 64: ragged
+])
+def test_w4_weights_stay_packed(name, block, zero_points):
+    imported, _, _ = compiled(name)
+    model = onnx.load(model_path(name))
     nbits = [node for node in model.graph.node if node.op_type == "MatMulNBits"]
     assert len(nbits) == 15 == imported.op_histogram["com.microsoft:MatMulNBits"]
 
@@ -200,7 +200,7 @@ def test_w4_weights_stay_packed():
     float_constants = [c for c in constants if c.dtype.kind == "f"]
     packed_shapes = {c.shape for c in constants if c.dtype == np.uint8}
     # The only float initializer of the model is the (unquantised) embedding table, of
-    # the lm_head's size 2048 x 256: a float constant of size N*K must be exactly it.
+    # the lm_head's size 512 x 64: a float constant of size N*K must be exactly it.
     onnx_floats = [
         numpy_helper.to_array(init) for init in model.graph.initializer
         if init.data_type == TensorProto.FLOAT
@@ -214,7 +214,7 @@ def test_w4_weights_stay_packed():
                 assert any(
                     a.shape == constant.shape and np.array_equal(a, constant) for a in onnx_floats
                 ), f"{node.name}: a float constant of size N*K that is not in the ONNX model"
-        assert (n, -(-k // block), block // 2) in packed_shapes  # K=688: a ragged last block
+        assert (n, -(-k // block), block // 2) in packed_shapes  # a ragged last block too
 
     kernels = {
         gv.name_hint: func
@@ -224,8 +224,8 @@ def test_w4_weights_stay_packed():
     # q/k/v/o, gate/up/down and lm_head have 5 distinct (K, N) shapes: one kernel each.
     assert len(kernels) == 5
     for func in kernels.values():
-        assert int(func.attrs["edgetvm.group_size"]) == 32
-        assert int(func.attrs["edgetvm.has_zero_points"]) == 0
+        assert int(func.attrs["edgetvm.group_size"]) == block
+        assert int(func.attrs["edgetvm.has_zero_points"]) == zero_points
         assert str(func.params[1].dtype) == "uint8"  # the packed weight goes in as stored
     calls = []
     relax.analysis.post_order_visit(

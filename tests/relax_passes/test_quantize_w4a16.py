@@ -3,15 +3,13 @@
 Tolerances are measured (benchmarks/quant_accuracy.py, llvm, fp32 activations) and
 asserted with about 2x margin:
 
-- tiny Llama prefill_s8 (random weights, logits |x| <= ~1.4), 4 prompts x 8 positions,
-  symmetric group 32 (mse scale rule, fp16 scales): max |logit diff| 0.28, mean 0.048,
-  relative L2 0.19, top-1 agreement 62.5 %. The random-weight model's logits are nearly flat (top-2 margins
-  ~0.01), so top-1 agreement is a weak signal here; the SmolLM2 rows of the benchmark
-  are the meaningful accuracy figures.
+- tiny Llama prefill_s8 of tests/data (random weights with a wide init, 0.2, logits
+  |x| <= ~7), 4 prompts x 8 positions, symmetric group 32 (mse scale rule, fp16 scales):
+  max |logit diff| 3.77, mean 0.476, relative L2 0.395, top-1 agreement 40.6 %. 4-bit
+  round-to-nearest of such wide random weights is far from fp32; the SmolLM2 rows of the
+  benchmark are the meaningful accuracy figures.
 - onnxruntime's MatMulNBits quantisation of the decode model (signed absmax / -8, fp32
-  scales) vs this pass with that rule and fp32 scales: 1 of 1.98 M codes differs (a
-  w / scale = -0.50000006 that onnxruntime's float32 arithmetic rounds as -0.5), which
-  moves the logits by 1.8e-3.
+  scales) vs this pass with that rule and fp32 scales: all 118,784 codes agree.
 """
 
 from __future__ import annotations
@@ -44,22 +42,18 @@ from edgetvm.relax_passes.w4_pack import (
 )
 from edgetvm.target.emulator.functional import dequant_w4
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-MODEL_DIRS = (REPO / "examples" / "models", REPO / "examples", REPO.parent / "shared" / "models")
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"   # see tests/data/README.md
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 Constant = tvm.ir.expr.GenericConst
 
-TINY_MAX_ABS_DIFF = 0.6  # measured 0.28
-TINY_MEAN_ABS_DIFF = 0.1  # measured 0.048
-TINY_REL_L2 = 0.3  # ||logits - fp32|| / ||fp32||, measured 0.19
-TINY_TOP1 = 0.45  # measured 0.625 on 32 positions
+TINY_MAX_ABS_DIFF = 6.0  # measured 3.77
+TINY_MEAN_ABS_DIFF = 0.8  # measured 0.476
+TINY_REL_L2 = 0.6  # ||logits - fp32|| / ||fp32||, measured 0.395 (unrelated logits: ~1.4)
+TINY_TOP1 = 0.25  # measured 0.406 on 32 positions
 
 
 def model_path(name: str) -> pathlib.Path:
-    for directory in MODEL_DIRS:
-        if (directory / name).is_file():
-            return directory / name
-    pytest.skip(f"test model {name} not found in {' or '.join(map(str, MODEL_DIRS))}")
+    return DATA / name
 
 
 def random_weight(n, k, seed=0, dtype="float32"):
@@ -298,16 +292,27 @@ def _const_arrays(mod: tvm.IRModule) -> list:
     return found
 
 
+# the tiny test models have 32-wide K/V projections (2 KV heads of 16): quantise them too
+MIN_FEATURES = 32
+
+
 def test_pass_on_tiny_llama_leaves_no_float_weights():
-    mod = QuantizeW4A16()(_imported("llama_tiny_prefill_s8.onnx").mod)
-    smallest_linear = 256 * 128
+    mod = QuantizeW4A16(min_features=MIN_FEATURES)(_imported("llama_tiny_prefill_s8.onnx").mod)
+    smallest_linear = 64 * 32
     big_float = {a.shape for a in _const_arrays(mod)
                  if a.dtype in (np.float32, np.float16) and a.size >= smallest_linear}
-    assert big_float == {(2048, 256)}  # only the embedding table
+    assert big_float == {(512, 64)}  # only the embedding table
     packed = [a for a in _const_arrays(mod) if a.dtype == np.uint8]
     assert len(packed) == 15 and all(a.ndim == 3 and a.shape[2] == 16 for a in packed)
-    scales = [a for a in _const_arrays(mod) if a.ndim == 2 and a.shape[1] in (8, 22)]
+    scales = [a for a in _const_arrays(mod) if a.ndim == 2 and a.shape[1] in (2, 5)]
     assert len(scales) == 15 and all(a.dtype == np.float16 for a in scales)
+
+
+def test_pass_leaves_linears_below_min_features_in_float():
+    mod = QuantizeW4A16()(_imported("llama_tiny_prefill_s8.onnx").mod)   # default 64
+    float_linears = {a.shape for a in _const_arrays(mod)
+                     if a.dtype == np.float32 and a.ndim == 2 and a.shape != (512, 64)}
+    assert float_linears == {(64, 32)}     # the K and V projections of both layers
 
 
 
@@ -318,9 +323,12 @@ def test_pass_on_tiny_llama_leaves_no_float_weights():
 ])
 @pytest.mark.parametrize("symmetric,group", [(True, 32), (False, 64)])
 def test_semantic_coverage_stays_complete_with_w4a16_linears(name, symmetric, group):
-    mod = QuantizeW4A16(group_size=group, symmetric=symmetric)(_imported(name).mod)
-    report = semantic_report(AnnotateLLMSemantics()(mod))
-    assert report.coverage == pytest.approx(1.0, abs=1e-12)
+    mod = QuantizeW4A16(group_size=group, symmetric=symmetric,
+                        min_features=MIN_FEATURES)(_imported(name).mod)
+    report = semantic_report(AnnotateLLMSemantics()(mod), dims={"sequence_length": 8})
+    # only the RoPE table (positions x inv_freq, cos, sin) stays generic
+    assert report.coverage > 0.9995
+    assert all(not row.generic_ops for row in report.layers if row.label != "pre")
     assert report.counts()["linear"] == 14 and report.counts()["lm_head"] == 1
     formats = {(kind, attrs.get("weight_format"), attrs.get("group_size"))
                for kind, attrs in report.region_attrs if kind in ("linear", "lm_head")}
@@ -328,9 +336,10 @@ def test_semantic_coverage_stays_complete_with_w4a16_linears(name, symmetric, gr
 
 
 def test_pass_can_keep_the_lm_head_in_float():
-    mod = QuantizeW4A16(quantize_lm_head=False)(_imported("llama_tiny_prefill_s8.onnx").mod)
+    mod = QuantizeW4A16(quantize_lm_head=False, min_features=MIN_FEATURES)(
+        _imported("llama_tiny_prefill_s8.onnx").mod)
     report = semantic_report(AnnotateLLMSemantics()(mod))
-    assert report.coverage == pytest.approx(1.0, abs=1e-12)
+    assert report.coverage > 0.9995
     formats = {kind: attrs.get("weight_format") for kind, attrs in report.region_attrs
                if kind in ("linear", "lm_head")}
     assert formats == {"linear": "w4a16", "lm_head": "float32"}
@@ -339,12 +348,12 @@ def test_pass_can_keep_the_lm_head_in_float():
 def test_quantized_tiny_llama_is_close_to_fp32():
     imported = _imported("llama_tiny_prefill_s8.onnx")
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 2048, (1, 8)).astype("int64") for _ in range(4)]
-    mask = np.ones((1, 8), "int64")
-    quantized = QuantizeW4A16(group_size=32)(imported.mod)
+    prompts = [rng.integers(1, 512, (1, 8)).astype("int64") for _ in range(4)]
+    mask, positions = np.ones((1, 8), "int64"), np.arange(8, dtype="int64")[None]
+    quantized = QuantizeW4A16(group_size=32, min_features=MIN_FEATURES)(imported.mod)
     vm_ref, vm_quantized = _build(imported.mod), _build(quantized)
-    ref = [_run(vm_ref, p, mask) for p in prompts]
-    out = [_run(vm_quantized, p, mask) for p in prompts]
+    ref = [_run(vm_ref, p, mask, positions) for p in prompts]
+    out = [_run(vm_quantized, p, mask, positions) for p in prompts]
     diff = np.abs(np.stack(ref) - np.stack(out))
     top1 = np.mean(np.stack(ref).argmax(-1) == np.stack(out).argmax(-1))
     assert diff.max() < TINY_MAX_ABS_DIFF and diff.mean() < TINY_MEAN_ABS_DIFF
@@ -370,23 +379,24 @@ def test_same_quantization_as_onnxruntime_matmul_nbits():
         np.testing.assert_allclose(ours.scales, quant[node.input[2]], rtol=1e-6)
         theirs = W4Weight(quant[node.input[1]].reshape(ours.packed.shape), ours.scales, None,
                           ours.k, 32)
-        k = ours.k  # onnxruntime pads K=688 to 704 with other codes than 8: not compared
+        k = ours.k  # onnxruntime pads a ragged K with other codes than 8: not compared
         ours_q, theirs_q = quantization_codes(ours)[:, :k], quantization_codes(theirs)[:, :k]
         differing += int(np.sum(ours_q != theirs_q))
         compared += ours_q.size
-    assert compared > 1_000_000 and differing <= 4
+    assert compared > 100_000 and differing <= 4
 
     # End to end, on the front end's import of onnxruntime's model: the same rule with
-    # fp32 scales gives the same module up to that one weight (measured 1.8e-3 on the
-    # logits); the default rule (mse, fp16 scales) is closer to fp32 than onnxruntime's
-    # (mean |logit diff| measured 0.0300 vs 0.0311).
+    # fp32 scales gives the same module (measured max |logit diff| 0.0); the default rule
+    # (mse, fp16 scales) is closer to fp32 than onnxruntime's (mean |logit diff| measured
+    # 0.330 vs 0.369).
     fp32_model = _imported("llama_tiny_decode_p8.onnx")
     args = _decode_inputs(fp32_model.mod["main"], fp32_model.input_names)
     ref = _build_and_run(fp32_model.mod, *args)
     theirs = _build_and_run(_imported("llama_tiny_decode_p8_w4.onnx").mod, *args)
     same_rule = _build_and_run(
-        QuantizeW4A16(scale_rule="signed_absmax", scale_dtype="float32")(fp32_model.mod), *args)
-    default = _build_and_run(QuantizeW4A16()(fp32_model.mod), *args)
+        QuantizeW4A16(scale_rule="signed_absmax", scale_dtype="float32",
+                      min_features=MIN_FEATURES)(fp32_model.mod), *args)
+    default = _build_and_run(QuantizeW4A16(min_features=MIN_FEATURES)(fp32_model.mod), *args)
     assert len(theirs) == len(same_rule) == 5  # logits + 4 present K/V
     for a, b in zip(same_rule, theirs):
         np.testing.assert_allclose(a, b, atol=5e-3, rtol=0)
@@ -400,7 +410,7 @@ def _decode_inputs(func, names):
     for param, name in zip(func.params, names):
         shape = [int(d) for d in param.ty.shape.values]
         if name == "input_ids":
-            arrays.append(rng.integers(0, 2048, shape).astype("int64"))
+            arrays.append(rng.integers(0, 512, shape).astype("int64"))
         elif name == "attention_mask":
             arrays.append(np.ones(shape, "int64"))
         elif name == "position_ids":

@@ -373,6 +373,16 @@ def test_vector_gelu_is_erf_based(spec):
     assert np.abs(tanh - want).max() > 1e-4
 
 
+def test_vector_gelu_tanh_is_the_tanh_approximation(spec):
+    x = np.linspace(-6, 6, 4 * 64, dtype=np.float32).reshape(4, 64)
+    y, _ = run_vector(spec, "gelu_tanh", [x])
+    xd = x.astype(np.float64)
+    want = 0.5 * xd * (1 + np.tanh(math.sqrt(2 / math.pi) * (xd + 0.044715 * xd ** 3)))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=2e-6)
+    erf = np.vectorize(math.erf)
+    assert np.abs(0.5 * xd * (1 + erf(xd / math.sqrt(2))) - want).max() > 1e-4
+
+
 def test_vector_cast_fp32_to_fp16(spec):
     x = (RNG.standard_normal((4, 64)) * 100).astype(np.float32)
     y, _ = run_vector(spec, "cast", [x], dst_dtype="float16")
@@ -419,7 +429,8 @@ def test_vector_mask_limit_and_causal_offset(spec, length, pos):
 
 
 def test_every_vector_op_is_covered():
-    tested = set(BINARY) | {"reduce_max", "reduce_sum", "exp", "rsqrt", "silu", "gelu", "cast",
+    tested = set(BINARY) | {"reduce_max", "reduce_sum", "exp", "rsqrt", "silu", "gelu",
+                            "gelu_tanh", "cast",
                             "copy", "rope", "mask"}
     assert tested == set(VECTOR_OP_ARITY)
 

@@ -1,0 +1,267 @@
+"""What a recognised region computes, read off its composite function.
+
+The annotation passes say *that* a region is a linear, an MLP or a norm; the NPU kernel
+also needs to know *which* of the region's arguments is the weight, the bias, the gate
+projection or the norm's gain. Argument order is first-use order after pattern fusion, so
+it differs between exporters; these helpers find each role by walking the function.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+
+_CALL_TIR = "relax.call_tir"
+#: ops that only an activation function uses inside an MLP region
+ACTIVATION_OPS = frozenset({"relax.sigmoid", "relax.nn.silu", "relax.tanh", "relax.erf",
+                            "relax.nn.gelu", "relax.nn.gelu_tanh"})
+
+
+def op_name(value) -> str:
+    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) \
+        else ""
+
+
+def bindings(func) -> dict:
+    """var -> bound value of every binding in ``func``."""
+    return {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
+
+
+def param_index(func, expr) -> int | None:
+    for i, p in enumerate(func.params):
+        if p.same_as(expr):
+            return i
+    return None
+
+
+def depends_on(defs: dict, expr, target) -> bool:
+    """True if ``expr`` is computed from ``target`` (through ``defs``)."""
+    seen, stack = set(), [expr]
+    while stack:
+        e = stack.pop()
+        if e.same_as(target):
+            return True
+        if isinstance(e, relax.Tuple):
+            stack.extend(e.fields)
+            continue
+        if not isinstance(e, relax.Var) or e in seen:
+            continue
+        seen.add(e)
+        value = defs.get(e)
+        if isinstance(value, relax.Call):
+            stack.extend(a for a in value.args if isinstance(a, relax.Expr))
+        elif isinstance(value, relax.Tuple):
+            stack.extend(value.fields)
+        elif isinstance(value, relax.TupleGetItem):
+            stack.append(value.tuple_value)
+    return False
+
+
+@dataclass
+class Linear:
+    """One projection inside a region: ``y = x @ W (+ b)`` in float, or the W4A16 kernel.
+
+    Indices are positions in the region's argument list (``Region.args``)."""
+
+    matmul: relax.Var        # the binding of the product (before the bias)
+    out: relax.Var           # the binding of the result (after the bias, if any)
+    inp: relax.Expr          # the activation operand
+    weight: int              # float W (K, N), or the packed uint8 (N, blocks, G/2)
+    bias: int | None = None
+    scales: int | None = None
+    zeros: int | None = None
+    zero_kind: str = "none"  # W4A16: none | uint4 | float
+    group: int = 0
+
+    @property
+    def w4(self) -> bool:
+        return self.scales is not None
+
+
+def linears(region) -> list:
+    """The region's projections in program order; ValueError if one has a form the NPU
+    kernels do not take (a weight that is not a region constant, say)."""
+    func, defs = region.func, bindings(region.func)
+    uses: dict = {}
+    for var, value in defs.items():
+        for a in getattr(value, "args", ()):
+            for leaf in (a.fields if isinstance(a, relax.Tuple) else (a,)):
+                if isinstance(leaf, relax.Var):
+                    uses.setdefault(leaf, []).append(var)
+    found = []
+    w4_calls = iter(region.callees)
+    for var, value in defs.items():
+        name = op_name(value)
+        if name == "relax.matmul":
+            w = param_index(func, value.args[1])
+            if w is None or region.args[w] is None or np.ndim(region.args[w]) != 2:
+                continue                       # not a projection (attention's q @ k^T)
+            lin = Linear(var, var, value.args[0], w)
+        elif name == _CALL_TIR:
+            attrs = next(w4_calls)
+            if attrs.get("edgetvm.op") != "linear_w4a16":
+                raise ValueError(f"call_tir to {attrs.get('edgetvm.op')!r}")
+            idx = [param_index(func, a) for a in value.args[1].fields[1:]]
+            if any(i is None or region.args[i] is None for i in idx):
+                raise ValueError("W4A16 weights are not region constants")
+            kind = str(attrs.get("edgetvm.zero_point_kind", "none"))
+            lin = Linear(var, var, value.args[1].fields[0], idx[0], scales=idx[1], zero_kind=kind,
+                         group=int(attrs["edgetvm.group_size"]))
+            rest = idx[2:]
+            if kind != "none":
+                lin.zeros, rest = rest[0], rest[1:]
+            if int(attrs.get("edgetvm.has_bias", 0)):
+                lin.bias = rest[0]
+            found.append(lin)
+            continue
+        else:
+            continue
+        # a float projection's bias: the only use of the product is ``+ b`` with b (N,)
+        n = int(np.shape(region.args[lin.weight])[-1])
+        users = uses.get(var, [])
+        if len(users) == 1 and op_name(defs[users[0]]) == "relax.add":
+            other = [a for a in defs[users[0]].args if not a.same_as(var)]
+            b = param_index(func, other[0]) if len(other) == 1 else None
+            if b is not None and region.args[b] is not None and \
+                    np.shape(region.args[b]) in ((n,), (1, n)):
+                lin.bias, lin.out = b, users[0]
+        found.append(lin)
+    return found
+
+
+def activation_input(region):
+    """The value the region's activation function is applied to (first activation op)."""
+    for value in bindings(region.func).values():
+        if op_name(value) in ACTIVATION_OPS:
+            return value.args[0]
+    raise ValueError("no activation op in the region")
+
+
+def unpack_uint4_zero_points(packed: np.ndarray, blocks: int) -> np.ndarray:
+    """MatMulNBits' packed zero points (N, ceil(blocks / 2)) uint8, two per byte, the even
+    block in the low nibble -> (N, blocks) uint8."""
+    z = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
+    z[:, 0::2] = packed & 0x0F
+    z[:, 1::2] = packed >> 4
+    return np.ascontiguousarray(z[:, :blocks])
+
+
+_PASS_THROUGH = {"relax.reshape", "relax.permute_dims", "relax.expand_dims",
+                 "relax.broadcast_to", "relax.multiply", "relax.astype"}
+
+
+def attention_roles(func) -> dict:
+    """Which parameters of an attention region are q, k, v (and the additive mask, if the
+    region adds one): trace the operands of its two matmuls (``q @ k^T``, then ``p @ v``)
+    back through layout ops and scalings."""
+    params = {p: i for i, p in enumerate(func.params)}
+    defs = bindings(func)
+    matmuls = [(var, v) for var, v in defs.items() if op_name(v) == "relax.matmul"]
+
+    def tensor_arg(v):
+        # the operand that carries the data (not a scalar scale, not a shape)
+        for a in v.args:
+            if isinstance(a, relax.Var) and getattr(a.ty, "ndim", 0) >= 2:
+                return a
+        raise ValueError("attention region: cannot trace its q/k/v inputs")
+
+    def source(e, through=_PASS_THROUGH):
+        while e not in params:
+            v = defs.get(e)
+            if op_name(v) not in through:
+                raise ValueError("attention region: cannot trace its q/k/v inputs")
+            e = tensor_arg(v)
+        return params[e]
+    if len(matmuls) != 2:
+        raise ValueError(f"attention region with {len(matmuls)} matmuls (expected 2)")
+    (scores, qk), (_, pv) = matmuls
+    roles = {"q": source(qk.args[0]), "k": source(qk.args[1]), "v": source(pv.args[1])}
+    for v in defs.values():
+        if op_name(v) == "relax.add" and any(depends_on(defs, a, scores) for a in v.args):
+            other = [a for a in v.args if not depends_on(defs, a, scores)]
+            if other:
+                roles["mask"] = source(other[0], _PASS_THROUGH | {"relax.strided_slice"})
+            break
+    return roles
+
+
+def _trace_to_param(func, defs, expr, through) -> int:
+    """The parameter ``expr`` is computed from through ``through`` ops (first tensor
+    operand at each step)."""
+    while param_index(func, expr) is None:
+        value = defs.get(expr)
+        if op_name(value) not in through:
+            raise ValueError(f"cannot trace {expr} to a region parameter")
+        expr = value.args[0]
+    return param_index(func, expr)
+
+
+def rope_roles(func) -> dict:
+    """Parameters of a RoPE region: ``x`` (the tensor whose heads rotate), ``cos``, ``sin``.
+
+    The rotation is ``x * cos + rotate_half(x) * sin``: of the two products, the one with
+    a concat (``rotate_half``) operand multiplies ``sin``."""
+    defs = bindings(func)
+    layout = {"relax.reshape", "relax.permute_dims", "relax.expand_dims",
+              "relax.broadcast_to", "relax.astype", "relax.strided_slice"}
+    for value in defs.values():
+        if op_name(value) != "relax.add":
+            continue
+        prods = [defs.get(a) for a in value.args]
+        if not all(op_name(p) == "relax.multiply" for p in prods):
+            continue
+        roles = {}
+        for p in prods:
+            a, b = p.args
+            if op_name(defs.get(b)) == "relax.concat":
+                a, b = b, a
+            if op_name(defs.get(a)) == "relax.concat":
+                roles["sin"] = _trace_to_param(func, defs, b, layout)
+            else:
+                roles["x"] = _trace_to_param(func, defs, a, layout)
+                roles["cos"] = _trace_to_param(func, defs, b, layout)
+        if set(roles) == {"x", "cos", "sin"}:
+            return roles
+    raise ValueError("no rotate-half rotation in the region")
+
+
+def bind_dims(func, positions, args) -> dict:
+    """Symbolic dimension -> value, read off the runtime arguments' shapes (tensors and
+    shape values) against the parameter types of ``func``."""
+    env = {}
+    for pos, arg in zip(positions, args):
+        ty = func.params[pos].ty
+        values = getattr(ty, "values", None) if isinstance(ty, relax.ShapeType) else \
+            (getattr(ty.shape, "values", None) if isinstance(ty, relax.TensorType) and
+             ty.shape is not None else None)
+        actual = tuple(arg.shape) if hasattr(arg, "shape") else tuple(int(v) for v in arg)
+        if values is None or len(values) != len(actual):
+            continue
+        for expr, v in zip(values, actual):
+            if isinstance(expr, tvm.tirx.Var):
+                env[expr] = int(v)
+    return env
+
+
+def eval_shape(values, env) -> tuple:
+    """A Relax shape (tirx expressions) with the symbolic dimensions of ``env``."""
+    analyzer = tvm.sym.Analyzer()
+    for var, v in env.items():
+        analyzer.bind(var, tvm.tirx.IntImm(str(var.ty.dtype), v))
+    out = []
+    for e in values:
+        e = analyzer.simplify(e)
+        if not isinstance(e, tvm.tirx.IntImm):
+            raise ValueError(f"dimension {e} is not known from the region's inputs")
+        out.append(int(e))
+    return tuple(out)
+
+
+def result_shapes(func, positions, args) -> list:
+    """Shapes of the region's results for these runtime arguments (one per tuple field)."""
+    env = bind_dims(func, positions, args)
+    ret = func.ret_ty
+    fields = ret.fields if isinstance(ret, relax.TupleType) else [ret]
+    return [eval_shape(f.shape.values, env) for f in fields]

@@ -1,0 +1,113 @@
+"""Rebuild the small ONNX models under tests/data (not run by the tests: the files are
+committed). Needs torch, transformers, optimum-onnx, onnxslim and onnxruntime, e.g. the venv
+of the shared tiny-zoo tool (tools/models/make_tiny_zoo.sh) plus ``pip install onnxslim``.
+
+    python tests/data/make_test_models.py ZOO_DIR
+
+ZOO_DIR is the output of ``make_tiny_zoo.sh ZOO_DIR``: its ``<family>_tiny_with_past.onnx``
+files are copied as they are, and its Llama checkpoint (``.work/hf_llama``: 2 layers, hidden
+64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random weights,
+``torch.manual_seed(0)``) is exported again in the other spellings the front end meets:
+
+* ``llama_tiny_prefill_dynamic.onnx``: torch.onnx's TorchScript exporter, inputs
+  ``input_ids`` and ``attention_mask`` of dynamic (``batch``, ``seq``), no KV inputs;
+* ``llama_tiny_prefill_s8.onnx``: optimum's ``text-generation`` export folded by onnxslim to
+  sequence 8;
+* ``llama_tiny_decode_p8.onnx``: the with-past export folded to sequence 1, past 8;
+* ``llama_tiny_decode_p8_w4.onnx``: that fold quantized by onnxruntime's MatMulNBits quantizer
+  (4 bits, block 32, symmetric);
+* ``llama_tiny_decode_p8_w4_g64_zp.onnx``: the same with block 64 and uint4 zero points
+  (asymmetric): the MLP's K of 160 is 2.5 blocks, so the last block is partial.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import onnx
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAMILIES = ["llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox"]
+
+
+def fold(src, dst, seq, past):
+    import onnxslim
+    m0 = onnx.load(src)
+    shapes = []
+    for i in m0.graph.input:
+        dims = []
+        for j, d in enumerate(i.type.tensor_type.shape.dim):
+            if d.dim_value > 0:
+                dims.append(d.dim_value)
+            elif j == 0:
+                dims.append(1)
+            elif i.name == "attention_mask":
+                dims.append(seq + past)
+            elif "past" in d.dim_param.lower():
+                dims.append(past)
+            else:
+                dims.append(seq)
+        shapes.append(i.name + ":" + ",".join(map(str, dims)))
+    onnx.save(onnxslim.slim(src, input_shapes=shapes), dst)
+
+
+def main(zoo):
+    import torch
+    import transformers
+    for fam in FAMILIES:
+        shutil.copy(os.path.join(zoo, f"{fam}_tiny_with_past.onnx"),
+                    os.path.join(HERE, f"{fam}_tiny_with_past.onnx"))
+    hf = os.path.join(zoo, ".work", "hf_llama")
+    work = os.path.join(zoo, ".work", "test_models")
+    os.makedirs(work, exist_ok=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32,
+                                                              attn_implementation="eager")
+    model.eval()
+    model.config.use_cache = False
+    # transformers builds the causal mask with torch.vmap, which the TorchScript exporter
+    # cannot trace; optimum exports with its vmap-free mask functions, and so does this
+    import transformers.masking_utils as masking
+    from optimum.exporters.onnx.model_patcher import (eager_mask_without_vmap,
+                                                      find_packed_sequence_indices_patched,
+                                                      sdpa_mask_without_vmap)
+    masking.ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa", sdpa_mask_without_vmap)
+    masking.ALL_MASK_ATTENTION_FUNCTIONS.register("eager", eager_mask_without_vmap)
+    masking.find_packed_sequence_indices = find_packed_sequence_indices_patched
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids, attention_mask):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask,
+                          use_cache=False).logits
+
+    ids = torch.tensor([[5, 17, 42, 7, 9, 11]], dtype=torch.int64)
+    axes = {0: "batch", 1: "seq"}
+    torch.onnx.export(Logits(model), (ids, torch.ones_like(ids)),
+                      os.path.join(HERE, "llama_tiny_prefill_dynamic.onnx"),
+                      input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                      opset_version=17, dynamo=False,
+                      dynamic_axes={"input_ids": axes, "attention_mask": axes, "logits": axes})
+    cli = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
+    no_past = os.path.join(work, "no_past")
+    subprocess.run([cli, "export", "onnx", "-m", hf, "--task", "text-generation", no_past],
+                   check=True)
+    fold(os.path.join(no_past, "model.onnx"), os.path.join(HERE, "llama_tiny_prefill_s8.onnx"), 8, 0)
+    fold(os.path.join(HERE, "llama_tiny_with_past.onnx"),
+         os.path.join(HERE, "llama_tiny_decode_p8.onnx"), 1, 8)
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    for name, block, symmetric in (("llama_tiny_decode_p8_w4.onnx", 32, True),
+                                   ("llama_tiny_decode_p8_w4_g64_zp.onnx", 64, False)):
+        q = MatMulNBitsQuantizer(onnx.load(os.path.join(HERE, "llama_tiny_decode_p8.onnx")),
+                                 block_size=block, is_symmetric=symmetric)
+        q.process()
+        q.model.save_model_to_file(os.path.join(HERE, name))
+    for f in sorted(os.listdir(HERE)):
+        if f.endswith(".onnx"):
+            print(f"{f}: {os.path.getsize(os.path.join(HERE, f)) / 1e6:.2f} MB")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

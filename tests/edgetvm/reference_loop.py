@@ -1,0 +1,48 @@
+"""Greedy generation written for the tests, independent of ``edgetvm.generate``: the
+reference side of every end-to-end comparison."""
+import numpy as np
+import onnxruntime as ort
+
+
+def greedy_loop(run, input_names, kv_inputs, prompt, steps, chunk=None):
+    """``run(feeds) -> {output name: array}``; the prompt in one call (or chunks of
+    ``chunk``), then one token per call, each call's ``present.*`` fed back as the next
+    call's past. Returns (tokens, [outputs of every call])."""
+    past = {n: np.zeros(shape, np.float32) for n, shape in kv_inputs.items()}
+    pieces = [list(prompt)] if chunk is None else [list(prompt[i:i + chunk])
+                                                   for i in range(0, len(prompt), chunk)]
+    length, tokens, calls = 0, [], []
+    while len(tokens) < steps:
+        ids = pieces.pop(0) if pieces else [tokens[-1]]
+        feeds = {"input_ids": np.array([ids], np.int64),
+                 "attention_mask": np.ones((1, length + len(ids)), np.int64),
+                 "position_ids": np.arange(length, length + len(ids), dtype=np.int64)[None]}
+        feeds.update(past)
+        out = run({k: v for k, v in feeds.items() if k in input_names})
+        calls.append(out)
+        for n in kv_inputs:
+            past[n] = out[n.replace("past_key_values", "present")]
+        length += len(ids)
+        if not pieces:
+            tokens.append(int(np.argmax(out["logits"][0, -1])))
+    return tokens, calls
+
+
+def onnxruntime_model(path):
+    """(run, input names, {past input: empty shape}) of an ONNX with-past export."""
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    inputs = {i.name: i for i in sess.get_inputs()}
+    kv = {n: (1, i.shape[1], 0, i.shape[3]) for n, i in inputs.items()
+          if n.startswith("past_key_values")}
+    return (lambda feeds: dict(zip(names, sess.run(None, feeds)))), set(inputs), kv
+
+
+def assert_outputs_close(got_calls, want_calls, label=""):
+    """Every output (logits, present.*) of every call within 0.01 + 0.01 * max|want|."""
+    for step, (a, b) in enumerate(zip(got_calls, want_calls)):
+        for name, want in b.items():
+            allowed = 0.01 + 0.01 * float(np.abs(want).max())
+            assert a[name].shape == want.shape, (label, step, name)
+            diff = float(np.abs(a[name] - want).max())
+            assert diff <= allowed, (label, step, name, diff, allowed)

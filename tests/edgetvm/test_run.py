@@ -1,0 +1,114 @@
+"""The judges of ``edgetvm.run``: ``compare_logits``, the greedy loop, and the CLI's verdict.
+
+Every other end-to-end test leans on these, so each is tested here against numbers worked
+out by hand."""
+import os
+import re
+
+import numpy as np
+import pytest
+
+from edgetvm.generate import KVSpec, StepRecord, greedy, tokens_of
+from edgetvm.run import compare_logits, main
+from edgetvm.session import NPUSession
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+MODEL = os.path.join(DATA, "llama_tiny_with_past.onnx")
+
+
+def _rec(logits):
+    return StepRecord("decode", 0, 1, 0, logits=np.asarray(logits, np.float32))
+
+
+def test_compare_logits_uses_the_worst_element_not_the_mean():
+    ref = np.zeros(512, np.float32)
+    ref[0] = 10.0                                   # allowed: 0.01 + 0.01 * 10 = 0.11
+    bad = ref.copy()
+    bad[7] += 0.5                                   # one element off; mean diff ~0.001
+    ok, worst, allowed = compare_logits([_rec(bad)], [_rec(ref)], 0.01, 0.01)
+    assert not ok and worst == pytest.approx(0.5) and allowed == pytest.approx(0.11)
+    close = ref.copy()
+    close[7] += 0.1
+    ok, worst, allowed = compare_logits([_rec(close)], [_rec(ref)], 0.01, 0.01)
+    assert ok and worst == pytest.approx(0.1, abs=1e-6)
+
+
+def test_compare_logits_tolerance_is_relative_to_the_reference():
+    ref = np.full(4, 0.1, np.float32)               # allowed: 0.01 + 0.01 * 0.1 = 0.011
+    candidate = np.array([50.0, 0.1, 0.1, 0.1], np.float32)   # a blown-up candidate
+    ok, worst, allowed = compare_logits([_rec(candidate)], [_rec(ref)], 0.01, 0.01)
+    assert not ok and allowed == pytest.approx(0.011)
+
+
+def test_compare_logits_fails_if_any_step_fails_and_reports_it():
+    ref = [_rec([1.0, 0.0]), _rec([1.0, 0.0]), _rec([1.0, 0.0])]
+    got = [_rec([1.0, 0.0]), _rec([1.0, 0.3]), _rec([1.0, 0.001])]
+    ok, worst, allowed = compare_logits(got, ref, 0.01, 0.01)
+    assert not ok and worst == pytest.approx(0.3) and allowed == pytest.approx(0.02)
+
+
+class _FakeModel:
+    """A 'model' whose logits say which position they belong to: the first position
+    always prefers token 1, the last prefers ``10 + the number of calls so far``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, feeds):
+        self.calls.append(feeds)
+        s = feeds["input_ids"].shape[1]
+        logits = np.zeros((1, s, 64), np.float32)
+        logits[0, 0, 1] = 5.0
+        logits[0, -1, 10 + len(self.calls)] = 9.0
+        present = {"present.0.key": np.zeros((1, 1, feeds["attention_mask"].shape[1], 2))}
+        present["present.0.value"] = present["present.0.key"]
+        return {"logits": logits, **present}, None
+
+
+def test_greedy_reads_the_last_position_and_feeds_back_the_token():
+    kv = KVSpec([("past_key_values.0.key", "past_key_values.0.value", "present.0.key",
+                  "present.0.value")], 1, 2, "float32")
+    model = _FakeModel()
+    recs = greedy(model, kv, [3, 4, 5], 3)
+    assert tokens_of(recs) == [11, 12, 13]
+    assert [c["input_ids"].tolist() for c in model.calls] == [[[3, 4, 5]], [[11]], [[12]]]
+    assert [c["past_key_values.0.key"].shape[2] for c in model.calls] == [0, 3, 4]
+    assert [c["position_ids"].tolist() for c in model.calls][1:] == [[[3]], [[4]]]
+
+
+def test_greedy_chunked_prompt_yields_a_token_only_after_the_last_chunk():
+    kv = KVSpec([("past_key_values.0.key", "past_key_values.0.value", "present.0.key",
+                  "present.0.value")], 1, 2, "float32")
+    model = _FakeModel()
+    recs = greedy(model, kv, [3, 4, 5, 6, 7], 2, chunk=2)
+    assert [r.token for r in recs] == [-1, -1, 13, 14]
+    assert [c["input_ids"].shape[1] for c in model.calls] == [2, 2, 1, 1]
+    assert [c["position_ids"][0, 0] for c in model.calls] == [0, 2, 4, 5]
+
+
+def test_run_check_onnx_fails_on_logits_with_identical_ids(monkeypatch, capsys):
+    real_call = NPUSession.__call__
+
+    def shifted(self, feeds):         # every logit + 0.5: the argmax, so the ids, unchanged
+        out, meter = real_call(self, feeds)
+        out["logits"] = out["logits"] + 0.5
+        return out, meter
+    monkeypatch.setattr(NPUSession, "__call__", shifted)
+    assert main([MODEL, "--prompt-ids", "5,17,42", "--max-new-tokens", "2",
+                 "--check-onnx"]) == 1
+    out = capsys.readouterr().out
+    worst = float(re.search(r"max \|logits diff\| ([0-9.e+-]+)", out).group(1))
+    assert "ids identical" in out and 0.5 <= worst < 0.6
+
+
+def test_run_check_onnx_fails_on_different_ids(monkeypatch, capsys):
+    real_call = NPUSession.__call__
+
+    def wrong(self, feeds):
+        out, meter = real_call(self, feeds)
+        out["logits"][..., 3] += 100.0      # token 3 wins every step
+        return out, meter
+    monkeypatch.setattr(NPUSession, "__call__", wrong)
+    assert main([MODEL, "--prompt-ids", "5,17,42", "--max-new-tokens", "2",
+                 "--check-onnx"]) == 1
+    assert "ids DIFFER" in capsys.readouterr().out
