@@ -324,8 +324,16 @@ def _offloadable(region) -> bool:
     if kind == "rope":
         return region.attrs.get("edgetvm.style") == "rotate_half"
     if kind == "attention":
-        return region.attrs.get("edgetvm.merges_heads") == "1"
+        # the kernel masks by causality: a region without a mask is causal only when it
+        # has one query (decode); with a mask, the session checks the mask it is given
+        return region.attrs.get("edgetvm.merges_heads") == "1" and _softmax_last_axis(region) \
+            and ("mask" in attention_roles(region.func) or attrs.get("edgetvm.q_len") == "1")
     return False
+
+
+def _softmax_last_axis(region) -> bool:
+    return all(int(v.attrs.axis) in (-1, 3) for v in bindings(region.func).values()
+               if op_name(v) == "relax.nn.softmax")
 
 
 def unsound_offloads(regions) -> set:

@@ -404,8 +404,10 @@ class NPUSession:
                 self._append(layer, (k, empty), (v, empty), 0)
             kv = self.kv
             pos = kv.layer_len[layer] - s
-            if "mask" in roles and roles["mask"] in given:
-                _check_causal_mask(given[roles["mask"]].numpy(), pos, s, region.index)
+            if "mask" in roles:
+                mask = given[roles["mask"]].numpy() if roles["mask"] in given else \
+                    region.args[roles["mask"]]
+                _check_causal_mask(mask, pos, s, region.index)
             out = self._attend(layer, q[0].transpose(1, 0, 2), pos,
                                scale if scale == scale else d ** -0.5)
             (shape,) = result_shapes(region.func, region.runtime_positions, args)

@@ -8,9 +8,11 @@ orders of ``add`` and ``multiply``, so ``0.5 * x`` and ``x * 0.5`` are one spell
 
 from __future__ import annotations
 
+import math
+
 from tvm.relax.dpl import is_const
 
-from ._fusion import call
+from ._fusion import call, scalar_value
 
 
 def silu(g):
@@ -22,26 +24,45 @@ def silu(g):
 def gelu_tanh(u):
     """``0.5 * u * (1 + tanh(sqrt(2/pi) * (u + 0.044715 * u^3)))`` (GPT-2's ``gelu_new``,
     ``gelu_pytorch_tanh``), the cube as ``power(u, 3)`` or ``u * u * u``, or
-    ``nn.gelu_tanh``."""
-    cube = (call("relax.power", u, is_const()) | call("relax.multiply", u, call("relax.multiply", u, u))
+    ``nn.gelu_tanh``. Its constants are annotated for :func:`activation_constants_ok`."""
+    half, one, c1, c2, three = (is_const() for _ in range(5))
+    cube = (call("relax.power", u, three) | call("relax.multiply", u, call("relax.multiply", u, u))
             | call("relax.multiply", call("relax.multiply", u, u), u))
-    inner = call("relax.multiply", is_const(),
-                 call("relax.add", u, call("relax.multiply", is_const(), cube)))
-    one_plus = call("relax.add", is_const(), call("relax.tanh", inner))
-    p = (call("relax.multiply", call("relax.multiply", is_const(), u), one_plus)
-         | call("relax.multiply", is_const(), call("relax.multiply", u, one_plus))
+    inner = call("relax.multiply", c1, call("relax.add", u, call("relax.multiply", c2, cube)))
+    one_plus = call("relax.add", one, call("relax.tanh", inner))
+    p = (call("relax.multiply", call("relax.multiply", half, u), one_plus)
+         | call("relax.multiply", half, call("relax.multiply", u, one_plus))
          | call("relax.nn.gelu_tanh", u))
-    return p, {"act_gelu_tanh": p}
+    return p, {"act_gelu_tanh": p, "tanh_half": half, "tanh_one": one, "tanh_c1": c1,
+               "tanh_c2": c2, "tanh_three": three}
 
 
 def gelu_erf(u):
     """``0.5 * u * (1 + erf(u / sqrt(2)))`` in its exported spellings, or ``nn.gelu``."""
-    scaled = call("relax.divide", u, is_const()) | call("relax.multiply", u, is_const())
-    one_plus = call("relax.add", call("relax.erf", scaled), is_const())
-    p = (call("relax.multiply", call("relax.multiply", u, one_plus), is_const())
-         | call("relax.multiply", call("relax.multiply", is_const(), u), one_plus)
+    half, one, root2, inv_root2 = (is_const() for _ in range(4))
+    scaled = call("relax.divide", u, root2) | call("relax.multiply", u, inv_root2)
+    one_plus = call("relax.add", call("relax.erf", scaled), one)
+    p = (call("relax.multiply", call("relax.multiply", u, one_plus), half)
+         | call("relax.multiply", call("relax.multiply", half, u), one_plus)
          | call("relax.nn.gelu", u))
-    return p, {"act_gelu": p}
+    return p, {"act_gelu": p, "erf_half": half, "erf_one": one, "erf_root2": root2,
+               "erf_inv_root2": inv_root2}
+
+
+#: the value each annotated activation constant must have (fp32 as exported)
+_CONSTANTS = {"tanh_half": 0.5, "tanh_one": 1.0, "tanh_c1": math.sqrt(2 / math.pi),
+              "tanh_c2": 0.044715, "tanh_three": 3.0, "erf_half": 0.5, "erf_one": 1.0,
+              "erf_root2": math.sqrt(2), "erf_inv_root2": 1 / math.sqrt(2)}
+
+
+def activation_constants_ok(matched: dict) -> bool:
+    """True if every constant of the matched activation has its GELU value: a pattern of
+    the right shape with other constants is another function, not GELU."""
+    for name, want in _CONSTANTS.items():
+        if name in matched and not math.isclose(scalar_value(matched[name]), want,
+                                                rel_tol=1e-6):
+            return False
+    return True
 
 
 def activation(x, functions=("silu", "gelu", "gelu_tanh")):

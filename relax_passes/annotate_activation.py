@@ -5,7 +5,7 @@ from __future__ import annotations
 import tvm
 from tvm.relax.dpl import wildcard
 
-from ._activation import activation, activation_name
+from ._activation import activation, activation_constants_ok, activation_name
 from ._fusion import RegionPattern, call, fuse_regions, is_float, static_shape
 
 
@@ -17,7 +17,7 @@ def activation_patterns() -> list[RegionPattern]:
 
     def check(m, ctx):
         shape = static_shape(ctx.matched_expr)
-        return is_float(ctx.matched_expr) and ("b" not in m or static_shape(m["b"]) == shape
+        return is_float(ctx.matched_expr) and activation_constants_ok(m) and ("b" not in m or static_shape(m["b"]) == shape
                                                 == static_shape(m["a"]))
 
     def attrs(m, is_gated):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tvm
 from tvm.relax.dpl import wildcard
 
-from ._activation import activation, activation_name
+from ._activation import activation, activation_constants_ok, activation_name
 from ._fusion import RegionPattern, call, fuse_regions, static_shape
 from ._projection import (call_tir_ok, projection, projection_attrs, projection_variants,
                           weight_is_2d)
@@ -23,7 +23,7 @@ def mlp_patterns(mod: tvm.IRModule) -> list[RegionPattern]:
     hidden = {True: call("relax.multiply", gated_act, up), False: plain_act}
 
     def check(m, ctx):
-        return call_tir_ok(mod, ctx) and weight_is_2d(ctx)
+        return call_tir_ok(mod, ctx) and weight_is_2d(ctx) and activation_constants_ok(m)
 
     def attrs(m, gated):
         values = {

@@ -10,22 +10,23 @@ from ._fusion import RegionPattern, call, fuse_regions, scalar_value, static_sha
 
 def _inverse_rms(x):
     """``1 / sqrt(mean(x^2) + eps)`` in the spellings the ONNX exporters produce."""
-    square = call("relax.power", x, is_const()) | call("relax.multiply", x, x)
+    two, one = is_const(), is_const()
+    square = call("relax.power", x, two) | call("relax.multiply", x, x)
     eps = is_const()
     var_eps = call("relax.add", call("relax.mean", square), eps)
     root = call("relax.sqrt", var_eps)
-    inv = call("relax.divide", is_const(), root) | call("relax.rsqrt", var_eps)
-    return inv, root, eps
+    inv = call("relax.divide", one, root) | call("relax.rsqrt", var_eps)
+    return inv, root, eps, two, one
 
 
 def rms_norm_patterns() -> list[RegionPattern]:
     """x * rsqrt(mean(x^2, -1) + eps) [* weight]; the weight multiply is absent when the
     exporter folded a weight of ones away (the fixed-shape folds do)."""
     x, weight = wildcard(), is_const()
-    inv, root, eps = _inverse_rms(x)
+    inv, root, eps, two, one = _inverse_rms(x)
     normed = call("relax.multiply", x, inv) | call("relax.divide", x, root)
     weighted = call("relax.multiply", call("relax.astype", normed) | normed, weight)
-    annotations = {"x": x, "eps": eps, "weight": weight}
+    annotations = {"x": x, "eps": eps, "weight": weight, "two": two, "one": one}
 
     def check(m, _ctx):
         hidden = static_shape(m["x"])[-1]
@@ -33,6 +34,10 @@ def rms_norm_patterns() -> list[RegionPattern]:
         axes = [int(a) for a in mean.attrs.axis]
         ndim = len(static_shape(m["x"]))
         if axes not in ([-1], [ndim - 1]):
+            return False
+        # x^2 and 1 / sqrt: another exponent or numerator is another function
+        if ("two" in m and scalar_value(m["two"]) != 2.0) or \
+                ("one" in m and scalar_value(m["one"]) != 1.0):
             return False
         return "weight" not in m or static_shape(m["weight"])[-1] == hidden
 

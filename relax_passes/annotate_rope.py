@@ -9,17 +9,23 @@ from tvm.relax.dpl import is_tuple, wildcard
 from ._fusion import RegionPattern, call, fuse_regions, head_split, static_shape
 
 
-def _rotate_half(x):
-    """``concat(-x[..., d/2:], x[..., :d/2])``."""
-    upper = call("relax.strided_slice", x)
-    lower = call("relax.strided_slice", x)
+def _rotate_half(x, upper, lower):
+    """``concat(-x[..., d/2:], x[..., :d/2])`` (``upper``, ``lower``: the two slices)."""
     return call("relax.concat", is_tuple([call("relax.negative", upper), lower]))
 
 
-def _rotation(x, cos, sin):
+def _rotation(x, cos, sin, upper, lower):
     """``x * cos + rotate_half(x) * sin``."""
     return call("relax.add", call("relax.multiply", x, cos),
-                call("relax.multiply", _rotate_half(x), sin))
+                call("relax.multiply", _rotate_half(x, upper, lower), sin))
+
+
+def _halves_ok(m, rotary_dim) -> bool:
+    """rotate_half's slices are ``x[..., d/2:]`` and ``x[..., :d/2]`` (an interleaved or
+    otherwise sliced rotation is a different function)."""
+    half = rotary_dim // 2
+    upper, lower = _last_axis_slice(m["upper"]), _last_axis_slice(m["lower"])
+    return upper[0] == half and upper[1] >= rotary_dim and lower == (0, half)
 
 
 def _last_axis_slice(expr) -> tuple:
@@ -44,18 +50,25 @@ def rope_patterns() -> list[RegionPattern]:
     every layer, so it stays outside (on the host, like the other index arithmetic).
     """
     cos, sin = wildcard(), wildcard()
-    full = _rotation(head_split(wildcard()), cos, sin)
+    x = head_split(wildcard())
+    full_upper, full_lower = call("relax.strided_slice", x), call("relax.strided_slice", x)
+    full = _rotation(x, cos, sin, full_upper, full_lower)
     heads = wildcard()
-    rot_part = call("relax.strided_slice", heads)
-    pass_part = call("relax.strided_slice", heads)
-    partial = call("relax.concat", is_tuple([_rotation(rot_part, cos, sin), pass_part]))
+    rot_part, pass_part = call("relax.strided_slice", heads), call("relax.strided_slice", heads)
+    upper, lower = call("relax.strided_slice", rot_part), call("relax.strided_slice", rot_part)
+    partial = call("relax.concat", is_tuple([_rotation(rot_part, cos, sin, upper, lower),
+                                            pass_part]))
 
     def check_full(m, ctx):
         shape = static_shape(ctx.matched_expr)
-        return len(shape) == 4 and not (isinstance(shape[-1], int) and shape[-1] % 2)
+        return (len(shape) == 4 and isinstance(shape[-1], int) and shape[-1] % 2 == 0
+                and _halves_ok(m, shape[-1]))
 
     def check_partial(m, ctx):
-        if not check_full(m, ctx) or len(static_shape(m["heads"])) != 4:
+        shape = static_shape(ctx.matched_expr)
+        if len(shape) != 4 or len(static_shape(m["heads"])) != 4:
+            return False
+        if not _halves_ok(m, static_shape(m["rot_part"])[-1]):
             return False
         rot_begin, rot_end = _last_axis_slice(m["rot_part"])
         pass_begin, pass_end = _last_axis_slice(m["pass_part"])
@@ -76,9 +89,11 @@ def rope_patterns() -> list[RegionPattern]:
 
     return [
         RegionPattern("rope", partial, {"root": partial, "heads": heads, "rot_part": rot_part,
-                                        "pass_part": pass_part}, check_partial,
+                                        "pass_part": pass_part, "upper": upper,
+                                        "lower": lower}, check_partial,
                       lambda m: attrs(m, True)),
-        RegionPattern("rope", full, {"root": full}, check_full, lambda m: attrs(m, False)),
+        RegionPattern("rope", full, {"root": full, "upper": full_upper, "lower": full_lower},
+                      check_full, lambda m: attrs(m, False)),
     ]
 
 

@@ -64,6 +64,35 @@ def test_dp_on_grid_matches_brute_force_on_grid():
     assert got.objective == pytest.approx(want)
 
 
+def test_capped_dp_does_not_spend_the_whole_cap():
+    # lengths 10, 20, 30 equally likely, latency 100 + b, 50 per variant, cap 3: one bucket
+    # at 30 costs 130 + 50 = 180; three buckets 120 + 150 = 270
+    hist = {10: 1, 20: 1, 30: 1}
+    got = optimise_buckets(hist, lambda b: 100.0 + b, variant_cost=50.0, max_buckets=3,
+                           grid=10)
+    assert got.boundaries == (30,) and got.objective == pytest.approx(180.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("grid,max_buckets,variant_cost", [
+    (4, 1, 0.0), (4, 2, 5.0), (4, 3, 50.0), (5, 4, 20.0), (5, None, 50.0), (4, 3, 0.0)])
+def test_dp_on_grids_with_caps_matches_brute_force(seed, grid, max_buckets, variant_cost):
+    rng = np.random.default_rng(100 + seed)
+    max_len = 10 * grid                       # 10 candidates: 2^9 subsets
+    lengths = rng.choice(np.arange(1, max_len + 1), size=8, replace=False)
+    hist = {int(l): int(rng.integers(1, 20)) for l in lengths}
+    hist[max_len] = hist.get(max_len, 1)
+    latency = lambda b: 100.0 + b + 0.05 * b * b  # noqa: E731
+    got = optimise_buckets(hist, latency, variant_cost=variant_cost,
+                           max_buckets=max_buckets, grid=grid)
+    want = _brute_force(hist, latency, max_len, range(grid, max_len + 1, grid),
+                        variant_cost, max_buckets)
+    assert got.objective == pytest.approx(want, rel=1e-12)
+    assert all(b % grid == 0 for b in got.boundaries)
+    if max_buckets is not None:
+        assert got.variant_count <= max_buckets
+
+
 def test_exact_grid_is_fast_at_4096():
     dist = heavy_tailed_lengths()
     r = optimise_buckets(dist, AnalyticLatency(), max_buckets=6, grid="lengths")

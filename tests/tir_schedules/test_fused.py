@@ -8,10 +8,10 @@ from tvm import s_tir
 
 from edgetvm.errors import CandidateRejected
 from edgetvm.target.emulator import Emulator
-from edgetvm.target.emulator.functional import dequant_w4
 from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules import fused
 from edgetvm.tir_schedules.fused import FusionCluster, Stage
+from w4_cases import w4_weights
 
 SPEC = load_spec("edge-npu-16mb")
 F32 = np.float32
@@ -20,14 +20,17 @@ HIDDEN, N_Q, N_KV, HEAD_DIM, INTER, GROUP = 576, 9, 3, 64, 1536, 32
 
 
 def _data(cluster, seed=0):
+    """Random inputs; each W4 linear ``<p>_w``/``<p>_s`` from its codes, its float weight
+    kept as ``<p>_float`` for the reference."""
     rng = np.random.default_rng(seed)
     d = {}
     for name, (shape, dtype) in cluster.tensors.items():
         if dtype == "uint8":
-            d[name] = rng.integers(0, 256, shape, dtype=np.uint8)
-        elif name.endswith("_s"):                           # W4 group scales
-            d[name] = (rng.random(shape) * 0.02 + 0.01).astype(np.float16)
-        else:
+            p = name[:-2]
+            n, k = shape[0], shape[1] * 2
+            group = k // cluster.tensors[f"{p}_s"][0][1]
+            d[name], d[f"{p}_s"], _, d[f"{p}_float"] = w4_weights(rng, n, k, group)
+        elif name not in d:
             d[name] = rng.standard_normal(shape).astype(np.float16)
     return d
 
@@ -52,7 +55,7 @@ def _r16(a):          # an fp16 intermediate, as the kernel stores it
 
 
 def _lin(x, d, p):
-    return x @ dequant_w4(d[f"{p}_w"], d[f"{p}_s"], None, GROUP).T
+    return x @ d[f"{p}_float"].T
 
 
 def _rope(t, cos, sin):

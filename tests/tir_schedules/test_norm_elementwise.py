@@ -7,12 +7,12 @@ from tvm import s_tir
 
 from edgetvm.errors import CandidateRejected
 from edgetvm.target.emulator import Emulator
-from edgetvm.target.emulator.functional import dequant_w4
 from edgetvm.target.isa import DmaLoad, Vector
 from edgetvm.target.lowering import lower_primfunc
 from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules import elementwise, embedding, fused, norm, workloads
 from edgetvm.tir_schedules.search import knob_space, sampled_knobs
+from w4_cases import w4_weights
 
 SPEC = load_spec("edge-npu-16mb")
 F32 = np.float32
@@ -160,9 +160,18 @@ def test_random_knob_samples_lower_and_match(op):
     m, n = (6, 192) if op != "rope" else (6, 128)
     func, consts, inputs, ref, template = _case(op, m, n, seed=3)
     names = fused.knob_names(func)
-    expected = {"rms_norm": norm.KNOBS, "silu_mul": elementwise.SILU_MUL_KNOBS,
-                "rope": elementwise.ROPE_KNOBS}
-    assert names == expected.get(op, names)
+    # row ops tile rows only; 2-D elementwise ops also tile columns; one slots knob per
+    # streamed input
+    row = ("tile_m", "slots_x", "slots_out", "dma_split")
+    expected = {"rms_norm": row, "layer_norm": row, "softmax": row,
+                "silu_mul": ("tile_m", "tile_n", "slots_g", "slots_u", "slots_out", "dma_split"),
+                "gelu": ("tile_m", "tile_n", "slots_x", "slots_out", "dma_split"),
+                "add": ("tile_m", "tile_n", "slots_a", "slots_b", "slots_out", "dma_split"),
+                "rope": ("tile_m", "slots_x", "slots_cos", "slots_sin", "slots_out",
+                         "dma_split")}
+    assert names == expected[op]
+    assert norm.KNOBS == row and elementwise.SILU_MUL_KNOBS == expected["silu_mul"]
+    assert elementwise.ROPE_KNOBS == expected["rope"]
     seen = set()
     for seed in (11, 12, 13):
         sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=seed)
@@ -219,9 +228,8 @@ def _lm_head_case(m, vocab, hidden, quant, group=32, seed=0):
     rng = _rng(seed)
     x = _f16(rng, m, hidden)
     if quant == "w4a16":
-        w = rng.integers(0, 256, (vocab, hidden // 2), dtype=np.uint8)
-        s = (rng.random((vocab, hidden // group)) * 0.02 + 0.01).astype(np.float16)
-        return {"W": w, "S": s}, {"X": x}, x.astype(F32) @ dequant_w4(w, s, None, group).T
+        w, s, _, weight = w4_weights(rng, vocab, hidden, group)
+        return {"W": w, "S": s}, {"X": x}, x.astype(F32) @ weight.T
     b = _f16(rng, vocab, hidden, scale=0.05)
     return {"B": b}, {"A": x}, x.astype(F32) @ b.astype(F32).T
 
