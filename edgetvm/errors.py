@@ -37,3 +37,8 @@ class InvalidProgramError(EdgeTVMError):
 
 class CandidateRejected(EdgeTVMError):
     """A schedule candidate cannot run on the NPU (e.g. its TCM buffers do not fit)."""
+
+
+class RequestRefused(EdgeTVMError):
+    """An emulator server refuses a request: over its size limits, arguments of the wrong
+    type or dtype, a spec given as a path, an unknown call."""

@@ -1,419 +1,351 @@
-"""The NPU emulator behind TVM RPC: ``python -m edgetvm.rpc_server``.
+"""The NPU emulator as a server: ``python -m edgetvm.rpc_server``.
 
 Usage::
 
-    python -m edgetvm.rpc_server --host 127.0.0.1 --port 9190
-    python -m edgetvm.rpc_server --port 9190 --port-end 9200 \\
+    python -m edgetvm.rpc_server --port 9190
+    python -m edgetvm.rpc_server --port 9200 --port-end 9300 \\
         --tracker 127.0.0.1:9191 --key edgetvm-npu --spec edge-npu-16mb
 
-The server is a plain :class:`tvm.rpc.Server`; edgetvm adds a handful of global functions
-(``edgetvm.emulator.*``, see :func:`register_functions`) that run programs on the
-emulator. This module holds the emulator service (the devices of one session), the RPC
-functions that expose it, the server's start-up and its command line. Clients use
-:mod:`edgetvm.runner`; the wire format (request / result envelopes) is defined in
-:mod:`edgetvm.rpc_protocol` and re-exported here.
+What a client can do, and what it cannot
+----------------------------------------
+A client that reaches the port and knows the key can: ask for the server's info (versions,
+presets, limits), open and close emulated devices, read a device's state tensors, and run
+programs (data: a command stream, input arrays, integer parameters, a spec by preset name
+or by its fields) within the server's limits (``--max-request-mb``, ``--max-tensor-mb``).
+Nothing else: no files are read or written for a client (a spec is never a path), no code
+is loaded, no other function is reachable. Connections speak TVM RPC's handshake (so TVM's
+tracker can hand servers out) but not TVM's generic session protocol, which would let any
+client upload files, load shared libraries and write raw memory. The server binds
+127.0.0.1 unless ``--allow-remote`` is given, which prints what it exposes.
 
-How TVM RPC (0.27) serves connections, and what it means for device state
--------------------------------------------------------------------------
-Read from ``tvm/rpc/server.py`` and checked by experiment:
-
-* ``rpc.Server`` starts a ``PopenWorker`` child (``python -m tvm.exec.popen_worker``).
-  ``server_init_callback`` runs in that child, which then binds the port and runs the
-  listen loop in a thread. Functions registered by the *launcher* process are invisible,
-  which is why this module registers its functions from the init callback.
-* The listen loop is serial: it accepts one connection, then ``_serving`` forks a
-  ``multiprocessing.Process`` (fork start method) that runs the RPC session loop, and
-  *joins it* before accepting the next connection. So a server runs **one session at a
-  time**; a second client's connect blocks until the first session ends (use a tracker
-  with several servers for parallelism).
-* Every session is a **fresh fork** of the listening process: it inherits the registered
-  functions and whatever the init callback imported, but anything a session creates dies
-  with the session. Device state (the KV cache, :attr:`Emulator.state`) therefore lives
-  exactly as long as one client session: all calls on one connection reach the same
-  process and see the same state; a reconnect starts from a clean device.
-* A server registered with a tracker only accepts the random match key the tracker hands
-  out, so it cannot be reached directly with the plain key, only through the tracker.
-
-Consequently a device is opened per session (``edgetvm.emulator.open``) and addressed by
-a handle that embeds the session's pid: a handle kept from an earlier session is refused
-with a clear error instead of silently reaching another device's state.
+How it serves
+-------------
+The launcher process is the listener: it accepts a connection, reads the handshake within
+``--handshake-timeout`` seconds (a malformed or silent handshake closes that connection
+and nothing else), and forks one session process per accepted client. A session answers
+requests until the client closes it, stays idle for ``--idle-timeout`` seconds or lasts
+``--session-timeout`` seconds; its devices and their state live exactly as long. Sessions
+run at most ``--max-sessions`` at a time (default 1: the tracker's model, one session per
+server; more servers give more throughput). A session that crashes or is killed is
+reaped and the listener goes on; if the listener itself fails, the process exits non-zero
+and its sessions die with it (they ask the kernel for that). Each process uses one
+math-library thread, so N servers on N cores give about N times one server's throughput.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
-import functools
-import hashlib
-import itertools
-import json
 import os
+import select
 import signal
 import socket
 import sys
 import time
-from collections import OrderedDict
-from typing import Any, Mapping
+import traceback
 
-import numpy as np
-
-from edgetvm.errors import EdgeTVMError, SpecError
-# the wire protocol, re-exported: code written against this module imports it from here
-from edgetvm.rpc_protocol import (FUNC_PREFIX, PROTOCOL_VERSION,  # noqa: F401
-                                  decode_run_result, encode_run_result, error_payload,
-                                  pack_message, spec_payload, to_jsonable, unpack_message)
+from edgetvm.errors import EdgeTVMError, RequestRefused
+from edgetvm.rpc_protocol import (CALLS, DEFAULT_KEY, DEFAULT_PORT, MAX_KEY_BYTES,
+                                  RPC_CODE_MISMATCH, RPC_CODE_SUCCESS, RPC_MAGIC,
+                                  RPC_TRACKER_MAGIC, ProtocolError, TrackerCode,
+                                  encode_run_result, error_payload, pack_message,
+                                  recv_frame, recv_int, recv_json, recv_key, send_frame,
+                                  send_int, send_json, send_key, unpack_message)
+from edgetvm.runner.service import DEFAULT_SPEC, MB, EmulatorService, ServiceLimits
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 9190
-DEFAULT_KEY = "edgetvm-npu"
-DEFAULT_SPEC = "edge-npu-16mb"
+_LOOPBACK = ("127.", "::1", "localhost")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """How long a connection may take, how many sessions run, what a request may cost."""
+
+    handshake_timeout_s: float = 5.0
+    idle_timeout_s: float = 120.0
+    session_timeout_s: float = 3600.0
+    max_sessions: int = 1
+    limits: ServiceLimits = ServiceLimits()
 
 
 # ----------------------------------------------------------------------------------------
-# the service: devices of one session
+# a session: one client, one forked process
 # ----------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Device:
-    handle: str
-    spec: Any
-    profile: str | None
-    emulator: Any
-
-
-class EmulatorService:
-    """The emulator devices of one RPC session (or of one :class:`~edgetvm.runner.LocalRunner`).
-
-    Both the RPC functions and the local runner call these methods, so local and remote
-    runs take the same path; only the transport differs.
-
-    Parameters
-    ----------
-    default_spec : NPUSpec or str, optional
-        The spec used when a request names none (the server's ``--spec``).
-    server : dict, optional
-        Identity reported with every result (address, key, pid of the listening server).
-    """
-
-    #: how many deserialised programs a session keeps (decode loops resend the same bytes)
-    PROGRAM_CACHE = 8
-
-    def __init__(self, default_spec=DEFAULT_SPEC, server: Mapping[str, Any] | None = None):
-        self._default_spec = default_spec
-        self._specs: dict[str, Any] = {}
-        self._devices: dict[str, _Device] = {}
-        self._handles = itertools.count(1)
-        self._programs: OrderedDict[bytes, Any] = OrderedDict()
-        self._server = dict(server or {})
-
-    # -- identity ------------------------------------------------------------------------
-    def server_info(self) -> dict:
-        """Which process serves this call: ``pid`` (this session) and the server's identity."""
-        info = {"address": None, "key": None, "server_pid": os.getpid()}
-        info.update(self._server)
-        info["pid"] = os.getpid()
-        return info
-
-    def info(self) -> dict:
-        """What ``edgetvm.emulator.info`` reports: versions, presets, default spec, devices."""
-        from edgetvm.target.spec import list_presets
-        spec = self.resolve_spec(None)
-        return {**self.server_info(), "edgetvm_version": _edgetvm_version(),
-                "protocol": PROTOCOL_VERSION, "specs": list_presets(),
-                "default_spec": spec.name, "default_spec_hash": spec.hash(),
-                "devices": sorted(self._devices)}
-
-    # -- specs ---------------------------------------------------------------------------
-    def resolve_spec(self, payload: Mapping[str, Any] | str | None):
-        """Turn a :func:`spec_payload` (or a preset name, or ``None``) into an NPUSpec.
-
-        Raises
-        ------
-        SpecError
-            If the spec cannot be built or its hash differs from the client's (the two
-            sides would otherwise measure different devices under one tuning-log key).
-        """
-        from edgetvm.target.spec import NPUSpec, load_spec, spec_from_dict
-        if payload is None:
-            payload = self._default_spec
-        if isinstance(payload, NPUSpec):
-            return payload
-        if isinstance(payload, str):
-            payload = {"name": payload}
-        key = payload.get("hash") or "name:" + payload["name"]
-        if key not in self._specs:
-            if "fields" in payload:
-                spec = spec_from_dict(payload["fields"], source=f"client spec {payload['name']!r}")
-            else:
-                spec = load_spec(payload["name"])
-            if payload.get("hash") and spec.hash() != payload["hash"]:
-                raise SpecError(f"spec {payload['name']!r}: hash {spec.hash()} on the server "
-                                f"!= {payload['hash']} on the client")
-            self._specs[key] = spec
-        return self._specs[key]
-
-    # -- devices -------------------------------------------------------------------------
-    def open_device(self, spec=None, profile: str | None = None) -> str:
-        """Create an emulator with its own persistent state and return its handle.
-
-        The handle embeds this process's pid: state lives in the session process
-        (module docstring), so a handle from another session must not resolve here.
-        """
-        from edgetvm.target.emulator import Emulator
-        spec = self.resolve_spec(spec)
-        handle = f"{os.getpid()}-{next(self._handles)}"
-        self._devices[handle] = _Device(handle, spec, profile, Emulator(spec, profile=profile))
-        return handle
-
-    def close_device(self, handle: str) -> None:
-        """Forget a device and its state (unknown handles are ignored: closing is idempotent)."""
-        self._devices.pop(handle, None)
-
-    def device(self, handle: str) -> _Device:
-        """Look up an open device; a stale or foreign handle is an :class:`EdgeTVMError`."""
-        try:
-            return self._devices[handle]
-        except KeyError:
-            raise EdgeTVMError(
-                f"unknown device handle {handle!r} on server pid {os.getpid()}: device state "
-                "lives only as long as the RPC session that opened it; open a new device"
-            ) from None
-
-    def device_state(self, handle: str) -> dict[str, np.ndarray]:
-        """Copies of a device's persistent DRAM state tensors (e.g. the KV cache)."""
-        return {k: np.array(v) for k, v in self.device(handle).emulator.state.items()}
-
-    # -- running -------------------------------------------------------------------------
-    def load_program(self, program):
-        """A Program from a Program or its serialised bytes (small LRU on the bytes' digest)."""
-        if not isinstance(program, (bytes, bytearray, memoryview)):
-            return program
-        from edgetvm.target import program_format
-        digest = hashlib.blake2b(program, digest_size=16).digest()
-        if digest in self._programs:
-            self._programs.move_to_end(digest)
-        else:
-            self._programs[digest] = program_format.loads(bytes(program))
-            while len(self._programs) > self.PROGRAM_CACHE:
-                self._programs.popitem(last=False)
-        return self._programs[digest]
-
-    def _device_for(self, device: str, spec) -> _Device:
-        dev = self.device(device)
-        if spec is not None and self.resolve_spec(spec).hash() != dev.spec.hash():
-            raise SpecError(f"device {device} emulates {dev.spec.name!r} "
-                            f"({dev.spec.hash()}); the request names another spec")
-        return dev
-
-    def run(self, program, inputs: Mapping[str, np.ndarray], params: Mapping[str, int] | None = None,
-            spec=None, profile: str | None = None, device: str | None = None,
-            trace: bool = False) -> dict:
-        """Run a program on a device (or on fresh state) and return JSON-able results.
-
-        Parameters
-        ----------
-        program : Program or bytes
-            The command stream, or its :mod:`program_format` bytes.
-        inputs : mapping of str to numpy.ndarray
-            The program's ``input`` tensors (a ``state`` tensor given here overwrites the
-            device's copy).
-        params : mapping of str to int, optional
-            Runtime parameters (valid length, position, ...).
-        spec : dict, str or None
-            :func:`spec_payload` of the NPU to emulate; ``None`` for the default (or, with
-            ``device``, the device's spec).
-        profile : str, optional
-            Power profile for this run; ``None`` for the device's (or the spec's default).
-        device : str, optional
-            Handle from :meth:`open_device`; ``None`` runs on a fresh emulator, so the run
-            neither sees nor leaves persistent state.
-        trace : bool
-            Record the per-command trace too.
-
-        Returns
-        -------
-        dict
-            ``outputs`` (arrays), ``counters`` (JSON dict), ``trace`` (list of
-            :class:`TraceEvent` or ``None``), ``power_mw`` / ``power_window_starts``
-            (arrays), ``run_s`` (seconds inside the emulator) and ``server``
-            (:meth:`server_info`).
-        """
-        from edgetvm.target.emulator import Emulator
-        program = self.load_program(program)
-        if device is None:
-            emulator = Emulator(self.resolve_spec(spec), profile=profile)
-            saved = emulator.profile
-        else:
-            emulator = self._device_for(device, spec).emulator
-            saved = emulator.profile
-            # the power profile is a per-run setting of one device (its state is shared)
-            emulator.profile = emulator.spec.profile(profile) if profile else saved
-        t0 = time.perf_counter()
-        try:
-            res = emulator.run(program, dict(inputs), dict(params) if params else None,
-                               trace=bool(trace))
-        finally:
-            emulator.profile = saved
-        return {"outputs": dict(res.outputs), "counters": to_jsonable(res.counters),
-                "trace": list(res.trace) if trace else None,
-                "power_mw": res.power_mw, "power_window_starts": res.power_window_starts,
-                "run_s": time.perf_counter() - t0, "server": self.server_info()}
-
-
-def _edgetvm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+def _dispatch(service: EmulatorService, request: bytes) -> bytes:
+    """Answer one request frame; every failure becomes an error reply."""
     try:
-        return version("edgetvm")
-    except PackageNotFoundError:  # running from a source tree that is not installed
-        return "unknown"
+        meta, arrays = unpack_message(request, service.limits.max_tensor_bytes)
+        call = meta.get("call")
+        if call not in CALLS:
+            raise RequestRefused(f"unknown call {call!r}; this server answers {', '.join(CALLS)}")
+        if call == "info":
+            return pack_message({"info": service.info()})
+        if call == "open":
+            return pack_message({"device": service.open_device(meta.get("spec"),
+                                                               meta.get("profile"))})
+        if call == "close":
+            service.close_device(meta.get("device"))
+            return pack_message({})
+        if call == "state":
+            return pack_message({}, service.device_state(meta.get("device")))
+        program = arrays.pop("program", None)
+        if program is None or program.dtype.kind != "u" or program.itemsize != 1 or \
+                program.ndim != 1:
+            raise RequestRefused("run: the program travels as one 1-D uint8 array 'program'")
+        inputs = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
+        res = service.run(program.tobytes(), inputs, meta.get("params"), meta.get("spec"),
+                          meta.get("profile"), meta.get("device"), meta.get("trace", False))
+        return pack_message(*encode_run_result(res))
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the client intact
+        return pack_message({"error": error_payload(exc)})
 
 
-# ----------------------------------------------------------------------------------------
-# RPC functions (bytes in, bytes out)
-# ----------------------------------------------------------------------------------------
-def _guarded(fn):
-    """Wrap a handler so every failure travels back as an error envelope, not an RPCError.
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent (the listener) dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):          # not Linux: the session checks its parent
+        pass
 
-    TVM would turn a raised exception into ``RPCError: Error caught from RPC call`` with
-    the type and attributes lost; the envelope keeps them (see :func:`error_payload`).
-    """
-    @functools.wraps(fn)
-    def wrapper(*args):
+
+def _session(conn: socket.socket, service: EmulatorService, options: ServerOptions,
+             listener_pid: int) -> None:
+    deadline = time.monotonic() + options.session_timeout_s
+    while time.monotonic() < deadline and os.getppid() == listener_pid:
+        conn.settimeout(min(options.idle_timeout_s, max(0.1, deadline - time.monotonic())))
         try:
-            meta, arrays = fn(*args)
-        except Exception as exc:  # noqa: BLE001 - every failure must reach the client intact
-            return pack_message({"error": error_payload(exc)})
-        return pack_message(meta, arrays)
-    return wrapper
+            request = recv_frame(conn, options.limits.max_request_bytes)
+        except RequestRefused as exc:      # over the size limit: answer, then hang up
+            send_frame(conn, pack_message({"error": error_payload(exc)}))
+            return
+        except (socket.timeout, OSError, ProtocolError):
+            return                         # idle too long, or the client went away
+        reply = _dispatch(service, request)
+        try:
+            conn.settimeout(options.idle_timeout_s)
+            send_frame(conn, reply)
+        except OSError:
+            return                         # the client went away while its call ran
 
 
-def register_functions(service: EmulatorService) -> list[str]:
-    """Register the ``edgetvm.emulator.*`` global functions for ``service``.
-
-    Functions (all bytes are :func:`pack_message` envelopes; a failure comes back as an
-    envelope with an ``error`` entry):
-
-    ``info() -> str``
-        JSON: pid, server pid, edgetvm version, presets, default spec, open devices.
-    ``open(request) -> result``
-        request meta ``{"spec", "profile"}``; result meta ``{"device": handle}``.
-    ``close(handle: str) -> result``
-        forget a device.
-    ``state(handle: str) -> result``
-        the device's persistent state tensors as arrays.
-    ``run(program_bytes, request) -> result``
-        request meta ``{"spec", "profile", "params", "device", "trace"}`` + input arrays;
-        result meta ``{"counters", "trace", "run_s", "server"}`` + output arrays.
-
-    Parameters
-    ----------
-    service : EmulatorService
-        The object holding this process's devices.
-
-    Returns
-    -------
-    list of str
-        The registered function names.
-    """
-    import tvm_ffi
-
-    def _info():
-        return json.dumps(service.info())
-
-    def _open(request):
-        meta, _ = unpack_message(request)
-        return {"device": service.open_device(meta.get("spec"), meta.get("profile"))}, None
-
-    def _close(handle):
-        service.close_device(str(handle))
-        return {}, None
-
-    def _state(handle):
-        return {}, service.device_state(str(handle))
-
-    def _run(program_bytes, request):
-        meta, inputs = unpack_message(request)
-        res = service.run(bytes(program_bytes), inputs, meta.get("params"), meta.get("spec"),
-                          meta.get("profile"), meta.get("device"), bool(meta.get("trace")))
-        return encode_run_result(res)
-
-    funcs = {"info": _info, "open": _guarded(_open), "close": _guarded(_close),
-             "state": _guarded(_state), "run": _guarded(_run)}
-    for name, fn in funcs.items():
-        tvm_ffi.register_global_func(FUNC_PREFIX + name, fn, override=True)
-    return [FUNC_PREFIX + n for n in funcs]
+def _session_main(conn, listen_sock, service, options, listener_pid) -> None:
+    """Entry point of a forked session process; never returns."""
+    code = 0
+    try:
+        listen_sock.close()
+        _die_with_parent()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _session(conn, service, options, listener_pid)
+    except Exception:  # noqa: BLE001 - a broken session must not take the listener along
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            conn.close()
+        finally:
+            os._exit(code)
 
 
-def _server_init(key: str, spec_name: str) -> None:
-    """``server_init_callback``: runs in TVM's server process before it binds the port.
+# ----------------------------------------------------------------------------------------
+# the tracker link
+# ----------------------------------------------------------------------------------------
+class _TrackerLink:
+    """The server's registration with a TVM RPC tracker (TVM's own server protocol).
 
-    Every session is a fork of this process, so what is imported here is paid once, not
-    per connection; the service object registered here starts empty in every session.
-    """
-    # Ctrl-C in a terminal reaches the whole process group; the launcher (main) stops this
-    # process itself, so ignoring SIGINT here avoids a second traceback from the child.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import edgetvm.target.emulator  # noqa: F401  (pre-import: sessions fork warm)
-    from edgetvm.target import program_format  # noqa: F401
-    spec = EmulatorService(spec_name).resolve_spec(None)  # fail early on a bad --spec
-    server = {"key": key, "server_pid": os.getpid(), "address": None}
-    service = _SessionService(spec, server)
-    register_functions(service)
+    The server offers itself with a one-time match key while it has room for a session;
+    the tracker hands that key to one client. If nobody comes with it for a while (the
+    client gave up), the server offers a fresh key."""
+
+    PING_S = 2.0
+    UNMATCHED_S = 6.0
+
+    def __init__(self, addr: tuple, key: str, port: int):
+        self.addr, self.key, self.port = addr, key, port
+        self.sock = None
+        self.matchkey = None
+        self.unmatched_since = None
+        self.last_ping = 0.0
+
+    def _connect(self) -> None:
+        sock = socket.create_connection(self.addr, timeout=10)
+        send_int(sock, RPC_TRACKER_MAGIC)
+        if recv_int(sock) != RPC_TRACKER_MAGIC:
+            raise ProtocolError(f"{self.addr[0]}:{self.addr[1]} is not a TVM RPC tracker")
+        send_json(sock, [TrackerCode.UPDATE_INFO, {"key": "server:" + self.key,
+                                                   "addr": [None, self.port]}])
+        if recv_json(sock) != TrackerCode.SUCCESS:
+            raise ProtocolError("the tracker refused the server's info")
+        self.sock = sock
+
+    def offer(self) -> str:
+        """Register a fresh match key; returns it."""
+        if self.sock is None:
+            self._connect()
+        self.matchkey = f"{self.key}:{os.urandom(8).hex()}"
+        send_json(self.sock, [TrackerCode.PUT, self.key, [self.port, self.matchkey], None])
+        if recv_json(self.sock) != TrackerCode.SUCCESS:
+            raise ProtocolError("the tracker refused the server's registration")
+        self.unmatched_since, self.last_ping = None, time.monotonic()
+        return self.matchkey
+
+    def tick(self) -> None:
+        """While idle: if the offered key was taken but never used, offer a new one."""
+        now = time.monotonic()
+        if now - self.last_ping < self.PING_S:
+            return
+        self.last_ping = now
+        send_json(self.sock, [TrackerCode.GET_PENDING_MATCHKEYS])
+        pending = recv_json(self.sock)
+        if self.matchkey in pending:
+            self.unmatched_since = None
+        elif self.unmatched_since is None:
+            self.unmatched_since = now
+        elif now - self.unmatched_since > self.UNMATCHED_S:
+            self.offer()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
-class _SessionService(EmulatorService):
-    """An :class:`EmulatorService` that learns the bound port once the server listens.
-
-    The init callback runs before TVM binds (the port may come from a range), so the
-    address is read from TVM's server state, which the session process inherits.
-    """
-
-    def server_info(self) -> dict:
-        info = super().server_info()
-        if info.get("address") is None:
-            try:
-                from tvm.rpc.server import PopenRPCServerState
-                state = PopenRPCServerState.current
-                info["address"] = f"{state.host}:{state.port}"
-            except (ImportError, AttributeError):  # internal of TVM; identity stays partial
-                pass
-        return info
-
-
-def serve(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, port_end: int | None = None,
-          key: str = DEFAULT_KEY, tracker: tuple[str, int] | None = None,
-          spec: str = DEFAULT_SPEC, silent: bool = True):
-    """Start an emulator RPC server (in TVM's server child process) and return it.
+# ----------------------------------------------------------------------------------------
+# the listener
+# ----------------------------------------------------------------------------------------
+class EmulatorServer:
+    """The listening side of ``python -m edgetvm.rpc_server`` (see the module docstring).
 
     Parameters
     ----------
     host : str
-        Address to bind; loopback by default (TVM's own default is ``0.0.0.0``, and TVM
-        RPC executes arbitrary code for whoever connects).
+        Address to bind.
     port, port_end : int
-        Bind the first free port in ``[port, port_end)``; ``port_end`` defaults to
-        ``port + 1`` (exactly ``port``).
+        Bind the first free port in ``[port, port_end)`` (``port_end`` default ``port + 1``).
     key : str
-        Device key, matched by clients and by the tracker.
+        The key clients must present (with a tracker: the key servers register under).
     tracker : (str, int), optional
-        Register with this RPC tracker.
+        Register with this TVM RPC tracker.
     spec : str
-        Default NPU spec (preset name or JSON path) for requests that name none.
-    silent : bool
-        Silence TVM's per-connection log lines.
-
-    Returns
-    -------
-    tvm.rpc.Server
-        ``.port`` is the bound port; ``.terminate()`` stops it.
+        Default NPU spec (preset name or JSON file of the operator's) of requests naming none.
+    options : ServerOptions
+        Timeouts, session count, request limits.
     """
-    from tvm import rpc
 
-    # The callback is cloudpickled to TVM's server process. Under `python -m` this module
-    # is __main__, whose functions cloudpickle copies by value (with unpicklable globals);
-    # the importable module's function is pickled by reference instead.
-    from edgetvm import rpc_server as importable
-    init = functools.partial(importable._server_init, key, spec)
-    return rpc.Server(host, port=port, port_end=port_end or port + 1, key=key,
-                      tracker_addr=tracker, silent=silent, server_init_callback=init)
+    def __init__(self, host=DEFAULT_HOST, port=DEFAULT_PORT, port_end=None, key=DEFAULT_KEY,
+                 tracker=None, spec=DEFAULT_SPEC, options: ServerOptions = ServerOptions()):
+        self.host, self.key, self.options = host, key, options
+        self.default_spec = EmulatorService(spec).resolve_spec(None)  # fail early
+        self.sock = self._bind(host, port, port_end or port + 1)
+        self.port = self.sock.getsockname()[1]
+        self.tracker = _TrackerLink(tracker, key, self.port) if tracker else None
+        self.sessions: dict[int, float] = {}           # pid -> start time
+        self.pid = os.getpid()
+
+    @staticmethod
+    def _bind(host, port, port_end) -> socket.socket:
+        last = None
+        for p in range(port, port_end):
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                 socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, p))
+                sock.listen(64)
+                return sock
+            except OSError as exc:
+                sock.close()
+                last = exc
+        raise OSError(f"no free port in [{port}, {port_end}) on {host}: {last}")
+
+    # -- the loop ----------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Accept and serve until interrupted; raises if the listener itself fails."""
+        matchkey = self.key
+        while True:
+            self._reap()
+            room = len(self.sessions) < self.options.max_sessions
+            if self.tracker is not None and room:
+                matchkey = self._tracker_key()
+            ready, _, _ = select.select([self.sock] if room else [], [], [], 0.5)
+            if not ready:
+                continue
+            conn, addr = self.sock.accept()
+            if self._handshake(conn, matchkey):
+                if self.tracker is not None:
+                    self.tracker.matchkey = None       # offer a fresh key once there is room
+                self._spawn(conn)
+            conn.close()
+
+    def _tracker_key(self) -> str | None:
+        """The match key the tracker hands out for this server (offered while there is room
+        for a session). A lost tracker is reconnected on later rounds; meanwhile no client
+        can come through it, and the server goes on serving the sessions it has."""
+        link = self.tracker
+        try:
+            if link.matchkey is None:
+                link.offer()
+            else:
+                link.tick()
+        except (OSError, EdgeTVMError, ValueError) as exc:
+            if link.sock is not None:
+                print(f"warning: lost RPC tracker {link.addr[0]}:{link.addr[1]} ({exc}); "
+                      "reconnecting", file=sys.stderr, flush=True)
+            link.close()
+            link.matchkey = None
+            time.sleep(1.0)
+        return link.matchkey
+
+    def _handshake(self, conn: socket.socket, matchkey: str | None) -> bool:
+        """TVM's handshake, within the handshake timeout; anything malformed closes this
+        connection only."""
+        try:
+            conn.settimeout(self.options.handshake_timeout_s)
+            if recv_int(conn) != RPC_MAGIC:
+                return False
+            fields = recv_key(conn).split()
+            if not fields or matchkey is None or fields[0] != "client:" + matchkey:
+                send_int(conn, RPC_CODE_MISMATCH)
+                return False
+            send_int(conn, RPC_CODE_SUCCESS)
+            send_key(conn, "server:" + self.key)
+            return True
+        except (OSError, ProtocolError, EdgeTVMError):
+            return False
+
+    def _spawn(self, conn: socket.socket) -> None:
+        info = {"key": self.key, "server_pid": self.pid,
+                "address": f"{self.host}:{self.port}"}
+        service = EmulatorService(self.default_spec, info, self.options.limits)
+        pid = os.fork()
+        if pid == 0:
+            _session_main(conn, self.sock, service, self.options, self.pid)
+        self.sessions[pid] = time.monotonic()
+
+    def _reap(self) -> None:
+        """Collect ended sessions; kill one that outlived its session timeout (stuck in
+        a long run: the session checks its deadline only between requests)."""
+        for pid, start in list(self.sessions.items()):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                del self.sessions[pid]
+            elif time.monotonic() - start > self.options.session_timeout_s + 10:
+                os.kill(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        for pid in self.sessions:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.sessions.clear()
+        if self.tracker is not None:
+            self.tracker.close()
+        self.sock.close()
 
 
 # ----------------------------------------------------------------------------------------
@@ -438,20 +370,35 @@ def _host_port(text: str) -> tuple[str, int]:
 
 def _key(text: str) -> str:
     # TVM's handshake splits the key on whitespace and the tracker appends ":<random>"
-    if not text or any(c.isspace() for c in text) or ":" in text:
+    if not text or any(c.isspace() for c in text) or ":" in text or \
+            len(text.encode()) > MAX_KEY_BYTES // 2:
         raise argparse.ArgumentTypeError(f"key must be non-empty, without spaces or ':': {text!r}")
     return text
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+        return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m edgetvm.rpc_server`` argument parser."""
     p = argparse.ArgumentParser(
         prog="python -m edgetvm.rpc_server",
-        description="Serve the edgetvm NPU emulator over TVM RPC (one session at a time; "
-                    "register several servers with a tracker for parallel runs).")
+        description="Serve the edgetvm NPU emulator (programs are data: a client can run "
+                    "them and read results, nothing else). Register several servers with a "
+                    "TVM RPC tracker for parallel runs.")
     p.add_argument("--host", default=DEFAULT_HOST,
-                   help="address to bind (default %(default)s; TVM RPC runs arbitrary code "
-                        "for any client, so only bind other addresses on trusted networks)")
+                   help="address to bind (default %(default)s; others need --allow-remote)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow binding an address other machines can reach")
     p.add_argument("--port", type=_port, default=DEFAULT_PORT, help="port (default %(default)s)")
     p.add_argument("--port-end", type=_port, default=None,
                    help="search free ports in [port, port-end) (default: exactly --port)")
@@ -460,8 +407,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", type=_key, default=DEFAULT_KEY, help="device key (default %(default)s)")
     p.add_argument("--spec", default=DEFAULT_SPEC,
                    help="default NPU spec: preset name or JSON file (default %(default)s)")
-    p.add_argument("--verbose", action="store_true", help="log every connection (TVM's logger)")
+    d = ServerOptions()
+    p.add_argument("--max-sessions", type=_positive(int), default=d.max_sessions,
+                   help="sessions served at once (default %(default)s)")
+    p.add_argument("--handshake-timeout", type=_positive(float), default=d.handshake_timeout_s,
+                   metavar="S", help="seconds a connection has for its handshake "
+                   "(default %(default)s)")
+    p.add_argument("--idle-timeout", type=_positive(float), default=d.idle_timeout_s,
+                   metavar="S", help="seconds a session may wait between requests "
+                   "(default %(default)s)")
+    p.add_argument("--session-timeout", type=_positive(float), default=d.session_timeout_s,
+                   metavar="S", help="longest session in seconds (default %(default)s)")
+    p.add_argument("--max-request-mb", type=_positive(float),
+                   default=d.limits.max_request_bytes / MB, metavar="MB",
+                   help="largest request (default %(default)g MiB)")
+    p.add_argument("--max-tensor-mb", type=_positive(float),
+                   default=d.limits.max_tensor_bytes / MB, metavar="MB",
+                   help="largest total of a program's DRAM tensors, of a request's arrays and "
+                        "of a client spec's TCM (default %(default)g MiB)")
     return p
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith(_LOOPBACK)
 
 
 def _parse_args(argv) -> argparse.Namespace:
@@ -469,61 +437,72 @@ def _parse_args(argv) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.port_end is not None and args.port_end <= args.port:
         parser.error(f"--port-end {args.port_end} must be greater than --port {args.port}")
-    try:  # validate here: a bad spec inside TVM's child would only surface as a traceback
+    if not _is_loopback(args.host) and not args.allow_remote:
+        parser.error(f"--host {args.host} can be reached from other machines; a client that "
+                     "connects can run programs on this machine's CPU and memory within the "
+                     "request limits. Pass --allow-remote to bind it anyway.")
+    try:  # validate here, before anything listens
         EmulatorService(args.spec).resolve_spec(None)
     except EdgeTVMError as exc:
         parser.error(f"--spec: {exc}")
     return args
 
 
-def _tracker_reachable(addr: tuple[str, int]) -> bool:
-    # TVM's server retries an unreachable tracker for 60 s in a background thread and
-    # then dies silently; check once up front and fail with a message instead.
-    try:
-        with socket.create_connection(addr, timeout=5):
-            return True
-    except OSError:
-        return False
+def _options(args) -> ServerOptions:
+    return ServerOptions(args.handshake_timeout, args.idle_timeout, args.session_timeout,
+                         args.max_sessions,
+                         ServiceLimits(int(args.max_request_mb * MB), int(args.max_tensor_mb * MB)))
 
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _one_math_thread() -> None:
+    """One BLAS/OpenMP thread per process: N servers on N cores then scale N-fold instead
+    of oversubscribing the cores."""
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(1)
+
+
 def main(argv=None) -> int:
     """Entry point of ``python -m edgetvm.rpc_server``; returns the exit status."""
     args = _parse_args(argv)
-    if args.tracker and not _tracker_reachable(args.tracker):
-        print(f"error: cannot reach RPC tracker at {args.tracker[0]}:{args.tracker[1]}",
-              file=sys.stderr)
-        return 1
-    # SIGTERM (e.g. the process group being stopped) takes the same clean path as Ctrl-C;
-    # SIGINT is set too because a shell starts background jobs with SIGINT ignored
+    _one_math_thread()
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
-    server = None
     try:
-        try:
-            server = serve(args.host, args.port, args.port_end, args.key, args.tracker,
-                           args.spec, silent=not args.verbose)
-        except (OSError, ValueError, RuntimeError) as exc:  # e.g. no free port in range
-            # TVM re-raises the child's error with its traceback in the message: keep the gist
-            gist = [ln for ln in str(exc).splitlines() if ln.strip()][-1:] or [repr(exc)]
-            print(f"error: cannot start server on {args.host}:{args.port}: {gist[0]} "
-                  "(port in use? give a range with --port-end)", file=sys.stderr)
-            return 1
+        server = EmulatorServer(args.host, args.port, args.port_end, args.key, args.tracker,
+                                args.spec, _options(args))
+    except OSError as exc:
+        print(f"error: cannot start server on {args.host}:{args.port}: {exc} "
+              "(port in use? give a range with --port-end)", file=sys.stderr)
+        return 1
+    if args.allow_remote and not _is_loopback(args.host):
+        print(f"warning: listening on {args.host}, reachable from other machines: any client "
+              f"with key {args.key!r} can run emulator programs here (no files, no code)",
+              file=sys.stderr, flush=True)
+    try:
+        if server.tracker is not None:
+            try:
+                server.tracker.offer()
+            except (OSError, EdgeTVMError) as exc:
+                print(f"error: cannot register with RPC tracker at "
+                      f"{args.tracker[0]}:{args.tracker[1]}: {exc}", file=sys.stderr)
+                return 1
         via = f", tracker {args.tracker[0]}:{args.tracker[1]}" if args.tracker else ""
         print(f"listening on {args.host}:{server.port} (key {args.key}, spec {args.spec}{via})",
               flush=True)
-        server.proc.join()  # returns only if TVM's server process dies
-        print("error: server process exited", file=sys.stderr)
-        return 1
+        server.serve_forever()
     except KeyboardInterrupt:
         print("stopped", flush=True)
         return 0
+    except Exception as exc:  # noqa: BLE001 - a dead listener must say so and exit non-zero
+        print(f"error: the listener failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     finally:
-        if server is not None:
-            server.terminate()
+        server.close()
+    return 1
 
 
 if __name__ == "__main__":

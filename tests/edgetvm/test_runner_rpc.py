@@ -1,154 +1,24 @@
-"""The runner over TVM RPC: real servers started the way users start them.
+"""The runners against real servers started the way users start them.
 
 Servers are ``python -m edgetvm.rpc_server`` subprocesses (own process group, stopped by
-group at teardown) on free loopback ports; the tracker is ``python -m tvm.exec.rpc_tracker``.
+group at teardown) on free loopback ports; the tracker is TVM's ``python -m
+tvm.exec.rpc_tracker``.
 A server runs one session at a time, so every test closes its runner (``with``) before the
 next one connects.
 """
 import os
-import select
-import signal
-import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
-import psutil
 import pytest
+from rpc_helpers import (KEY, SPEC, accumulate_program, expect_listening, free_port,
+                         gemm_inputs, gemm_program, reference, start_server, start_tracker,
+                         stop, wait_for_free_servers)
 
 from edgetvm.errors import EdgeTVMError, InvalidProgramError
 from edgetvm.runner import (LocalRunner, RPCRunner, RunJob, RunnerConnectionError, RunnerError,
                             TrackerRunner, connect)
-from edgetvm.target.builder import ProgramBuilder
-from edgetvm.target.isa import DmaLoad, DmaStore, Mma
-from edgetvm.target.spec import load_spec
-
-SPEC = load_spec("edge-npu-16mb")
-KEY = "edgetvm-test"
-START_TIMEOUT = 30
-
-
-# ----------------------------------------------------------------------------------------
-# programs
-# ----------------------------------------------------------------------------------------
-def gemm_program(m=32, n=32, k=64, broken=False):
-    """C = A @ B: DMA A and B into the TCM on two channels, one MMA, DMA C back.
-
-    ``broken`` makes the MMA (command 2) wait on an event nobody signals.
-    """
-    b = ProgramBuilder(f"gemm_{m}x{n}x{k}", SPEC)
-    b.tensor("A", (m, k), "float16", "input")
-    b.tensor("B", (k, n), "float16", "input")
-    b.tensor("C", (m, n), "float32", "output")
-    ta, tb, tc = b.tcm((m, k), "float16"), b.tcm((k, n), "float16"), b.tcm((m, n), "float32")
-    ea, eb, ec = b.event(), b.event(), b.event()
-    b.emit(DmaLoad(dst=ta, src=b.dram("A"), channel=0, signal=(ea,)))
-    b.emit(DmaLoad(dst=tb, src=b.dram("B"), channel=1, signal=(eb,)))
-    b.emit(Mma(out=tc, a=ta, b=tb, wait=(ea, eb, 99) if broken else (ea, eb), signal=(ec,)))
-    b.emit(DmaStore(dst=b.dram("C"), src=tc, wait=(ec,)))
-    return b.build()
-
-
-def accumulate_program(m=16, n=16, k=32):
-    """S += A @ B with S a persistent ``state`` tensor (a KV-cache stand-in); y = S."""
-    b = ProgramBuilder("accumulate", SPEC)
-    b.tensor("A", (m, k), "float16", "input")
-    b.tensor("B", (k, n), "float16", "input")
-    b.tensor("S", (m, n), "float32", "state")
-    b.tensor("y", (m, n), "float32", "output")
-    ta, tb, ts = b.tcm((m, k), "float16"), b.tcm((k, n), "float16"), b.tcm((m, n), "float32")
-    ea, eb, es, em, ew = (b.event() for _ in range(5))
-    b.emit(DmaLoad(dst=ta, src=b.dram("A"), channel=0, signal=(ea,)))
-    b.emit(DmaLoad(dst=tb, src=b.dram("B"), channel=1, signal=(eb,)))
-    b.emit(DmaLoad(dst=ts, src=b.dram("S"), channel=0, signal=(es,)))
-    b.emit(Mma(out=ts, a=ta, b=tb, accumulate=True, wait=(ea, eb, es), signal=(em,)))
-    b.emit(DmaStore(dst=b.dram("S"), src=ts, channel=0, wait=(em,), signal=(ew,)))
-    b.emit(DmaStore(dst=b.dram("y"), src=ts, channel=0, wait=(ew,)))
-    return b.build()
-
-
-def gemm_inputs(seed, m=32, n=32, k=64):
-    rng = np.random.default_rng(seed)
-    return {"A": rng.standard_normal((m, k)).astype("float16"),
-            "B": rng.standard_normal((k, n)).astype("float16")}
-
-
-def reference(inputs):
-    # fp16 operands, fp32 accumulation: what the matrix unit computes
-    return inputs["A"].astype(np.float32) @ inputs["B"].astype(np.float32)
-
-
-# ----------------------------------------------------------------------------------------
-# processes
-# ----------------------------------------------------------------------------------------
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port, proc, timeout=START_TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"process exited with {proc.returncode}"
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"nothing answers on 127.0.0.1:{port}")
-
-
-def read_line(proc, timeout=START_TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            return proc.stdout.readline()
-        assert proc.poll() is None, f"server exited with {proc.returncode}"
-    raise TimeoutError("server printed nothing")
-
-
-def stop(procs):
-    for p in procs:  # only the process groups these tests created (start_new_session)
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        if p.stdout:
-            p.stdout.close()
-
-
-def start_server(port, *extra):
-    cmd = [sys.executable, "-m", "edgetvm.rpc_server", "--host", "127.0.0.1",
-           "--port", str(port), "--key", KEY, *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def expect_listening(proc, port):
-    line = read_line(proc)
-    assert line.startswith(f"listening on 127.0.0.1:{port} (key {KEY}"), line
-    wait_for_port(port, proc)
-
-
-def wait_for_free_servers(tracker_port, n, timeout=START_TIMEOUT):
-    from tvm import rpc
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        tracker = rpc.connect_tracker("127.0.0.1", tracker_port)
-        free = tracker.summary()["queue_info"].get(KEY, {}).get("free", 0)
-        tracker.close()
-        if free >= n:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"tracker did not see {n} free servers")
 
 
 @pytest.fixture(scope="module")
@@ -158,11 +28,7 @@ def cluster():
     procs = []
     try:
         procs.append(start_server(port))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
-             "--port", str(tport), "--port-end", str(tport + 1), "--silent"],
-            start_new_session=True))
-        wait_for_port(tport, procs[-1])
+        procs.append(start_tracker(tport))
         tracked = [start_server(p, "--tracker", f"127.0.0.1:{tport}") for p in ports]
         procs += tracked
         expect_listening(procs[0], port)
@@ -277,8 +143,9 @@ def test_tracker_run_many_spreads_over_both_servers(cluster):
     for job, res in zip(jobs, results):
         np.testing.assert_allclose(res.outputs["C"], reference(job.inputs), rtol=1e-5, atol=1e-4)
     assert results[0].counters == LocalRunner(SPEC).run(jobs[0].program, jobs[0].inputs).counters
-    # each server's pid is the TVM server process its `python -m edgetvm.rpc_server` started
+    # a server's pid is its `python -m edgetvm.rpc_server` process (the listener); each
+    # session is a child of it
     launchers = {p.pid for p in cluster["tracked"]}
     used = {r.server.pid for r in results}
-    assert len(used) == 2, used
-    assert {psutil.Process(pid).ppid() for pid in used} == launchers
+    assert used == launchers, used
+    assert {r.server.session_pid for r in results}.isdisjoint(launchers)

@@ -6,11 +6,12 @@ Usage::
     runner = connect("tracker://127.0.0.1:9191/edgetvm-npu", spec="edge-npu-16mb")
     results = runner.run_many(jobs)          # one session per free server
 
-This module holds :class:`TrackerRunner` and what only it needs: a tracker request that
-can be cancelled or timed out (:class:`_TrackerRequest`) and the worker pool that spreads
-:meth:`~TrackerRunner.run_many` jobs over one session per server (:class:`_WorkerPool`).
-The runner interface, results, errors and RPC sessions are in :mod:`edgetvm.runner`,
-which re-exports :class:`TrackerRunner`.
+The tracker is TVM's own (``python -m tvm.exec.rpc_tracker``), spoken to in its JSON
+protocol: a request for a key answers with a free server's address and a one-time match
+key, which the server accepts once. This module holds :class:`TrackerRunner`, that
+request (:class:`_TrackerRequest`, which a timer or another thread can cancel) and the
+worker pool that spreads :meth:`~TrackerRunner.run_many` jobs over one session per server
+(:class:`_WorkerPool`).
 """
 from __future__ import annotations
 
@@ -20,70 +21,93 @@ from collections import deque
 from typing import Iterable
 
 from edgetvm.errors import EdgeTVMError
-from edgetvm.rpc_server import DEFAULT_KEY
-from edgetvm.runner import (Runner, RunJob, RunnerConnectionError, RunnerError, _Channel,
-                            _finish, _gist, _RPCChannel)
+from edgetvm.rpc_protocol import (DEFAULT_KEY, RPC_TRACKER_MAGIC, TrackerCode, recv_int,
+                                  recv_json, send_int, send_json)
+
+from .base import Runner, RunJob, RunnerConnectionError, RunnerError, _Channel, _finish
+from .rpc import CALL_TIMEOUT, CONNECT_TIMEOUT, _RPCChannel
+
+
+def _connect_tracker(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> socket.socket:
+    """A socket to the tracker, past its magic exchange."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        send_int(sock, RPC_TRACKER_MAGIC)
+        if recv_int(sock) != RPC_TRACKER_MAGIC:
+            sock.close()
+            raise RunnerConnectionError(f"{host}:{port} is not a TVM RPC tracker")
+    except (OSError, EdgeTVMError) as exc:
+        if isinstance(exc, RunnerConnectionError):
+            raise
+        raise RunnerConnectionError(f"cannot reach RPC tracker at {host}:{port}: "
+                                    f"{getattr(exc, 'strerror', None) or exc}") from None
+    return sock
+
+
+def tracker_summary(host: str, port: int) -> dict:
+    """The tracker's summary: ``queue_info`` (free / pending per key), ``server_info``."""
+    sock = _connect_tracker(host, port)
+    try:
+        send_json(sock, [TrackerCode.SUMMARY])
+        code, summary = recv_json(sock)
+    except (OSError, EdgeTVMError, ValueError) as exc:
+        raise RunnerConnectionError(f"tracker {host}:{port}: summary failed: {exc}") from None
+    finally:
+        sock.close()
+    if code != TrackerCode.SUCCESS:
+        raise RunnerConnectionError(f"tracker {host}:{port}: summary refused")
+    return summary
 
 
 class _TrackerRequest:
-    """One blocking ``tracker.request(key)`` that another thread or a timer can cancel.
+    """One blocking request for a server with ``key`` that another thread or a timer can
+    cancel.
 
-    TVM's tracker holds a request until a server with the key is free, with no timeout;
-    shutting the tracker socket down wakes the request, and the tracker then hands the
-    server to someone else (its callback sees the closed connection).
+    The tracker holds a request until a server with the key is free, with no timeout of
+    its own; shutting the socket down wakes the request (the tracker then hands the
+    server to someone else).
     """
 
-    def __init__(self, host: str, port: int, key: str, session_timeout: float, timeout: float):
+    def __init__(self, host: str, port: int, key: str, timeout: float,
+                 call_timeout: float = CALL_TIMEOUT):
         self.address = f"{host}:{port}"
-        self.key, self.session_timeout, self.timeout = key, session_timeout, timeout
+        self.key, self.timeout, self.call_timeout = key, timeout, call_timeout
         self.cancelled = self.timed_out = False
-        self._tracker = _connect_tracker(host, port)
+        self._sock = _connect_tracker(host, port)
 
     def cancel(self, timed_out: bool = False) -> None:
         self.timed_out = self.timed_out or timed_out
         self.cancelled = True
-        sock = getattr(self._tracker, "_sock", None)
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def __call__(self) -> _RPCChannel:
         timer = threading.Timer(self.timeout, self.cancel, kwargs={"timed_out": True})
         timer.daemon = True
         timer.start()
         try:
-            session = self._tracker.request(self.key, priority=1,
-                                            session_timeout=self.session_timeout, max_retry=1)
-        except Exception as exc:  # noqa: BLE001 - TVM wraps everything in RuntimeError
+            self._sock.settimeout(None)        # the timer bounds the wait
+            send_json(self._sock, [TrackerCode.REQUEST, self.key, "", 1])
+            code, value = recv_json(self._sock)
+            if code != TrackerCode.SUCCESS:
+                raise RunnerConnectionError(f"tracker {self.address} refused the request")
+            host, port, matchkey = value
+        except (OSError, EdgeTVMError, ValueError, TypeError) as exc:
             if self.timed_out:
                 raise RunnerConnectionError(
                     f"no server with key {self.key!r} became free on tracker {self.address} "
                     f"within {self.timeout:g} s") from None
+            if isinstance(exc, RunnerError):
+                raise
             raise RunnerConnectionError(f"tracker {self.address}: request for key "
-                                        f"{self.key!r} failed: {_gist(exc)}") from None
+                                        f"{self.key!r} failed: {exc}") from None
         finally:
             timer.cancel()
-            self._tracker.close()
-        return _RPCChannel(session, f"tracker {self.address}/{self.key}")
-
-
-def _connect_tracker(host: str, port: int, probe_timeout: float = 5.0):
-    from tvm import rpc
-
-    # TVM retries a refused tracker connection for 60 s (base.connect_with_retry); one
-    # plain probe first turns "no tracker there" into an immediate, clear error.
-    try:
-        socket.create_connection((host, port), timeout=probe_timeout).close()
-    except OSError as exc:
-        raise RunnerConnectionError(f"cannot reach RPC tracker at {host}:{port}: "
-                                    f"{exc.strerror or exc}") from None
-    try:
-        return rpc.connect_tracker(host, port)
-    except Exception as exc:  # noqa: BLE001 - ConnectionRefusedError, RuntimeError, ...
-        raise RunnerConnectionError(f"cannot reach RPC tracker at {host}:{port}: "
-                                    f"{_gist(exc)}") from None
+            self._sock.close()
+        return _RPCChannel.connect(host, int(port), matchkey, call_timeout=self.call_timeout,
+                                   label=f"{host}:{port} (tracker {self.address}/{self.key})")
 
 
 class _WorkerPool:
@@ -198,10 +222,10 @@ class TrackerRunner(Runner):
     max_workers : int, optional
         Sessions for :meth:`run_many`; default: the servers registered with the key (but
         the one this runner's own :meth:`run` session holds).
-    session_timeout : float
-        Seconds after which a server ends a session (0: never).
     request_timeout : float
         How long to wait for a free server.
+    call_timeout : float
+        Seconds to wait for each call's reply.
     start_grace_s : float
         How long connected workers wait for the others before taking jobs.
 
@@ -212,19 +236,19 @@ class TrackerRunner(Runner):
     """
 
     def __init__(self, tracker_host: str, tracker_port: int, key: str = DEFAULT_KEY,
-                 spec=None, max_workers: int | None = None, session_timeout: float = 0,
-                 request_timeout: float = 60.0, start_grace_s: float = 0.5):
+                 spec=None, max_workers: int | None = None, request_timeout: float = 60.0,
+                 call_timeout: float = CALL_TIMEOUT, start_grace_s: float = 0.5):
         super().__init__(spec)
         self.tracker_host, self.tracker_port, self.key = tracker_host, int(tracker_port), key
         self.max_workers = max_workers
-        self.session_timeout, self.request_timeout = session_timeout, request_timeout
+        self.request_timeout, self.call_timeout = request_timeout, call_timeout
         self.start_grace_s = start_grace_s
         _connect_tracker(tracker_host, self.tracker_port).close()  # fail fast
         self._own: _RPCChannel | None = None
 
     def _new_request(self) -> _TrackerRequest:
         return _TrackerRequest(self.tracker_host, self.tracker_port, self.key,
-                               self.session_timeout, self.request_timeout)
+                               self.request_timeout, self.call_timeout)
 
     def _channel(self) -> _Channel:
         if self._own is None:
@@ -237,11 +261,7 @@ class TrackerRunner(Runner):
         ``total`` counts busy servers too; ``free`` lags behind a session's end (a server
         re-registers only after its session process has exited).
         """
-        tracker = _connect_tracker(self.tracker_host, self.tracker_port)
-        try:
-            summary = tracker.summary()
-        finally:
-            tracker.close()
+        summary = tracker_summary(self.tracker_host, self.tracker_port)
         queue = summary.get("queue_info", {}).get(self.key, {})
         total = sum(1 for s in summary.get("server_info", []) if s.get("key") == "server:" + self.key)
         return {"total": total, "free": int(queue.get("free", 0)),

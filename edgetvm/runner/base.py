@@ -1,21 +1,9 @@
-"""Runners: execute NPU programs on the emulator, in-process or behind TVM RPC.
+"""The runner interface: results, errors, devices and the channel a runner runs through.
 
-One interface, three places to run::
-
-    from edgetvm.runner import connect
-    runner = connect("rpc://127.0.0.1:9190", spec="edge-npu-16mb")   # or "local",
-    res = runner.run(program, {"A": a, "B": b})                      # "tracker://H:P/KEY"
-    res.outputs["C"], res.counters["total_cycles"], res.server.pid
-
-* :class:`LocalRunner` runs the emulator in this process.
-* :class:`RPCRunner` holds one session with one ``python -m edgetvm.rpc_server``.
-* :class:`TrackerRunner` gets servers from a TVM RPC tracker; :meth:`~Runner.run_many`
-  spreads jobs over as many servers as are free (one session per worker thread). It
-  lives in :mod:`edgetvm.tracker_runner` and is re-exported here.
-
-This module holds the runner interface (:class:`Runner`, :class:`Device`), its results
-and errors, the sessions it runs through (in-process or one RPC session), the local and
-single-server runners and :func:`connect`.
+:class:`Runner` is what every runner offers (:meth:`~Runner.run` on a default device with
+persistent state, :meth:`~Runner.device`, :meth:`~Runner.run_many` on fresh state); a
+subclass supplies the :class:`_Channel`, one session with one emulator service, either in
+this process (:mod:`edgetvm.runner.local`) or behind a server (:mod:`edgetvm.runner.rpc`).
 
 State semantics (the same for every runner):
 
@@ -32,38 +20,20 @@ State semantics (the same for every runner):
 Errors: an edgetvm error raised on the server (e.g. :class:`~edgetvm.errors.InvalidProgramError`
 with its command index) is re-raised on the client as the same class with the same
 message; other server failures become :class:`RemoteError` (the server traceback is kept
-in ``.remote_traceback``); connection problems are :class:`RunnerConnectionError` naming
-the address. ``run_many(jobs, return_exceptions=True)`` returns failures in their slots
-instead, which is what a MetaSchedule ``PyRunner`` needs.
+in ``.remote_traceback``); connection problems and timeouts are
+:class:`RunnerConnectionError` naming the address. ``run_many(jobs,
+return_exceptions=True)`` returns failures in their slots instead, which is what a
+MetaSchedule ``PyRunner`` needs.
 """
 from __future__ import annotations
 
 import importlib
-import json
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
-from urllib.parse import urlsplit
 
 import numpy as np
 
 from edgetvm.errors import EdgeTVMError
-from edgetvm.rpc_protocol import (FUNC_PREFIX, PROTOCOL_VERSION, decode_run_result,
-                                  pack_message, spec_payload, unpack_message)
-from edgetvm.rpc_server import DEFAULT_KEY, DEFAULT_PORT, DEFAULT_SPEC, EmulatorService
-
-__all__ = ["RunnerError", "RunnerConnectionError", "RemoteError", "ServerInfo", "RunResult",
-           "RunJob", "Device", "Runner", "LocalRunner", "RPCRunner", "TrackerRunner", "connect"]
-
-
-def __getattr__(name: str):
-    # TrackerRunner extends Runner, so edgetvm.tracker_runner imports this module; importing
-    # it back here only on first use lets either module be imported first.
-    if name == "TrackerRunner":
-        from edgetvm.tracker_runner import TrackerRunner
-        return TrackerRunner
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -247,149 +217,10 @@ class _Channel:
         pass
 
 
-class _LocalChannel(_Channel):
-    """The service in this process: same code path as a server, no serialisation."""
-
-    address = "local"
-
-    def __init__(self, spec):
-        self._service = EmulatorService(spec, server={"address": "local", "key": None})
-
-    def info(self) -> dict:
-        return self._service.info()
-
-    def open_device(self, spec, profile) -> str:
-        return self._service.open_device(spec, profile)
-
-    def close_device(self, handle: str) -> None:
-        self._service.close_device(handle)
-
-    def device_state(self, handle: str) -> dict:
-        return self._service.device_state(handle)
-
-    def run(self, job: RunJob, spec, device: str | None) -> RunResult:
-        t0 = time.perf_counter()
-        res = self._service.run(job.program, job.inputs, job.params, spec, job.profile,
-                                device, job.trace)
-        res["counters"] = dict(res["counters"])
-        return _result_from(res, time.perf_counter() - t0)
-
-
 def _gist(exc: BaseException) -> str:
     """The last line of an error: TVM puts its C++ context first and the reason last."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return lines[-1] if lines else type(exc).__name__
-
-
-class _RPCChannel(_Channel):
-    """One TVM RPC session with an edgetvm RPC server."""
-
-    def __init__(self, session, address: str):
-        self._session = session
-        self._funcs: dict = {}
-        self._lock = threading.Lock()  # a TVM RPC session is not safe for concurrent calls
-        self.address = address
-        try:  # fail fast on a foreign server or protocol skew, and free the server then
-            self.server_info = self.info()
-            if self.server_info.get("protocol") != PROTOCOL_VERSION:
-                raise RunnerConnectionError(
-                    f"server {address} speaks edgetvm RPC protocol "
-                    f"{self.server_info.get('protocol')}, this client {PROTOCOL_VERSION}: "
-                    "run the same edgetvm version on both sides")
-        except RunnerError:
-            self.close()
-            raise
-        if self.server_info.get("address"):
-            self.address = self.server_info["address"]
-
-    @classmethod
-    def connect(cls, host: str, port: int, key: str, session_timeout: float) -> "_RPCChannel":
-        """Open a session with the server at ``host:port`` using its plain ``key``."""
-        from tvm import rpc
-        try:
-            session = rpc.connect(host, port, key=key, session_timeout=session_timeout)
-        except Exception as exc:  # noqa: BLE001 - TVM raises InternalError/RuntimeError/...
-            raise _connect_error(f"{host}:{port}", key, exc) from None
-        return cls(session, f"{host}:{port}")
-
-    def _func(self, name: str):
-        if name not in self._funcs:
-            try:
-                self._funcs[name] = self._session.get_function(FUNC_PREFIX + name)
-            except AttributeError:
-                raise RunnerConnectionError(
-                    f"server {self.address} has no function {FUNC_PREFIX}{name}: it is not an "
-                    "edgetvm emulator server (start it with `python -m edgetvm.rpc_server`)"
-                ) from None
-        return self._funcs[name]
-
-    def _call(self, name: str, *args):
-        if self._session is None:
-            raise RunnerConnectionError(f"session with {self.address} is closed")
-        with self._lock:
-            try:
-                return self._func(name)(*args)
-            except RunnerError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - TVM's RPCError carries a C++ dump
-                raise RunnerConnectionError(
-                    f"RPC call {FUNC_PREFIX}{name} on {self.address} failed: {_gist(exc)}"
-                ) from None
-
-    def _envelope(self, name: str, *args) -> tuple[dict, dict]:
-        meta, arrays = unpack_message(self._call(name, *args))
-        if "error" in meta:
-            raise _error_from_payload(meta["error"], self.address)
-        return meta, arrays
-
-    def info(self) -> dict:
-        return json.loads(str(self._call("info")))
-
-    def open_device(self, spec, profile) -> str:
-        meta, _ = self._envelope("open", pack_message({"spec": spec_payload(spec),
-                                                       "profile": profile}))
-        return meta["device"]
-
-    def close_device(self, handle: str) -> None:
-        if self._session is not None:
-            self._envelope("close", handle)
-
-    def device_state(self, handle: str) -> dict:
-        return self._envelope("state", handle)[1]
-
-    def run(self, job: RunJob, spec, device: str | None) -> RunResult:
-        from edgetvm.target import program_format
-        t0 = time.perf_counter()
-        program = job.program
-        if not isinstance(program, (bytes, bytearray)):
-            program = program_format.dumps(program)
-        request = pack_message({"spec": spec_payload(spec), "profile": job.profile,
-                                "params": dict(job.params) if job.params else None,
-                                "device": device, "trace": bool(job.trace)},
-                               {k: np.asarray(v) for k, v in job.inputs.items()})
-        meta, arrays = self._envelope("run", bytes(program), request)
-        res = decode_run_result(meta, arrays)
-        if not res["server"].get("address"):  # the server could not tell its own port
-            res["server"]["address"] = self.address
-        return _result_from(res, time.perf_counter() - t0)
-
-    def close(self) -> None:
-        # dropping the last references ends the TVM session; the server's session process
-        # exits and (with a tracker) the server becomes free again
-        self._funcs.clear()
-        self._session = None
-
-
-def _connect_error(address: str, key: str, exc: BaseException) -> RunnerConnectionError:
-    text = str(exc)
-    if "matches key" in text:
-        hint = (f"it refused key {key!r} (wrong --key, or the server is registered with a "
-                "tracker and only accepts sessions the tracker hands out)")
-    elif "failed" in text or "refused" in text.lower():
-        hint = "connection refused (is `python -m edgetvm.rpc_server` running there?)"
-    else:
-        hint = _gist(exc)
-    return RunnerConnectionError(f"cannot connect to edgetvm RPC server at {address}: {hint}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -569,114 +400,3 @@ def _run_job(channel: _Channel, job: RunJob, spec):
         return exc
 
 
-class LocalRunner(Runner):
-    """The emulator in this process (the reference every remote run must agree with).
-
-    Parameters
-    ----------
-    spec : NPUSpec or str
-        The NPU to emulate (default ``edge-npu-16mb``).
-    """
-
-    def __init__(self, spec=DEFAULT_SPEC):
-        super().__init__(DEFAULT_SPEC if spec is None else spec)
-        self._local = _LocalChannel(self.spec)
-
-    def _channel(self) -> _Channel:
-        return self._local
-
-    def __repr__(self):
-        return f"LocalRunner({self.spec.name!r})"
-
-
-class RPCRunner(Runner):
-    """One session with one ``python -m edgetvm.rpc_server``.
-
-    The server runs one session at a time: while this runner is open, other clients of
-    the same server wait. Jobs of :meth:`run_many` run one after the other.
-
-    Parameters
-    ----------
-    host, port : str, int
-        The server's address.
-    spec : NPUSpec, str or None
-        The NPU to emulate (``None``: the server's ``--spec``).
-    key : str
-        The server's ``--key``.
-    session_timeout : float
-        Seconds after which the server ends the session (0: never).
-
-    Raises
-    ------
-    RunnerConnectionError
-        The server cannot be reached, refuses the key or is not an edgetvm server.
-    """
-
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, spec=None,
-                 key: str = DEFAULT_KEY, session_timeout: float = 0):
-        super().__init__(spec)
-        self.host, self.port, self.key = host, int(port), key
-        self._rpc = _RPCChannel.connect(host, self.port, key, session_timeout)
-
-    def _channel(self) -> _Channel:
-        if self._rpc is None:
-            raise RunnerConnectionError(f"runner for {self.host}:{self.port} is closed")
-        return self._rpc
-
-    def close(self) -> None:
-        super().close()
-        if self._rpc is not None:
-            self._rpc.close()
-            self._rpc = None
-
-    def __repr__(self):
-        return f"RPCRunner({self.host!r}, {self.port})"
-
-
-# ----------------------------------------------------------------------------------------
-# URLs
-# ----------------------------------------------------------------------------------------
-def connect(url: str, spec=None, **kwargs) -> Runner:
-    """Make a runner from a URL.
-
-    Parameters
-    ----------
-    url : str
-        ``"local"``; ``"rpc://HOST[:PORT][/KEY]"`` (port default 9190, key default
-        ``edgetvm-npu``); ``"tracker://HOST:PORT[/KEY]"``.
-    spec : NPUSpec, str or None
-        The NPU to emulate (``None``: the server's default; ``edge-npu-16mb`` locally).
-    **kwargs
-        Passed to the runner class (e.g. ``max_workers``, ``session_timeout``).
-
-    Returns
-    -------
-    Runner
-
-    Raises
-    ------
-    RunnerError
-        The URL is malformed.
-    RunnerConnectionError
-        The server or tracker cannot be reached.
-    """
-    if url == "local":
-        return LocalRunner(spec, **kwargs)
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        raise RunnerError(f"bad port in runner URL {url!r}") from None
-    key = parts.path.strip("/") or DEFAULT_KEY
-    if not parts.hostname or "/" in key or parts.query or parts.fragment:
-        raise RunnerError(f"malformed runner URL {url!r}; expected 'local', "
-                          "'rpc://HOST[:PORT][/KEY]' or 'tracker://HOST:PORT[/KEY]'")
-    if parts.scheme == "rpc":
-        return RPCRunner(parts.hostname, port or DEFAULT_PORT, spec, key=key, **kwargs)
-    if parts.scheme == "tracker":
-        from edgetvm.tracker_runner import TrackerRunner  # imports this module
-        if port is None:
-            raise RunnerError(f"runner URL {url!r} needs the tracker's port")
-        return TrackerRunner(parts.hostname, port, key, spec, **kwargs)
-    raise RunnerError(f"unknown runner URL scheme {parts.scheme!r} in {url!r}; "
-                      "expected 'local', 'rpc://' or 'tracker://'")
