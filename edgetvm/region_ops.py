@@ -13,6 +13,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from edgetvm.relax_passes._fusion import bindings_of as bindings
+from edgetvm.relax_passes._fusion import depends_on
+
 _CALL_TIR = "relax.call_tir"
 #: ops that only an activation function uses inside an MLP region
 ACTIVATION_OPS = frozenset({"relax.sigmoid", "relax.nn.silu", "relax.tanh", "relax.erf",
@@ -24,39 +27,11 @@ def op_name(value) -> str:
         else ""
 
 
-def bindings(func) -> dict:
-    """var -> bound value of every binding in ``func``."""
-    return {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
-
-
 def param_index(func, expr) -> int | None:
     for i, p in enumerate(func.params):
         if p.same_as(expr):
             return i
     return None
-
-
-def depends_on(defs: dict, expr, target) -> bool:
-    """True if ``expr`` is computed from ``target`` (through ``defs``)."""
-    seen, stack = set(), [expr]
-    while stack:
-        e = stack.pop()
-        if e.same_as(target):
-            return True
-        if isinstance(e, relax.Tuple):
-            stack.extend(e.fields)
-            continue
-        if not isinstance(e, relax.Var) or e in seen:
-            continue
-        seen.add(e)
-        value = defs.get(e)
-        if isinstance(value, relax.Call):
-            stack.extend(a for a in value.args if isinstance(a, relax.Expr))
-        elif isinstance(value, relax.Tuple):
-            stack.extend(value.fields)
-        elif isinstance(value, relax.TupleGetItem):
-            stack.append(value.tuple_value)
-    return False
 
 
 @dataclass

@@ -162,6 +162,29 @@ def static_shape(expr: relax.Expr) -> tuple:
     return tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in values)
 
 
+def depends_on(defs: dict, expr, target) -> bool:
+    """True if ``expr`` is computed from ``target`` (through ``defs``)."""
+    seen, stack = set(), [expr]
+    while stack:
+        e = stack.pop()
+        if e.same_as(target):
+            return True
+        if isinstance(e, relax.Tuple):
+            stack.extend(e.fields)
+            continue
+        if not isinstance(e, relax.Var) or e in seen:
+            continue
+        seen.add(e)
+        value = defs.get(e)
+        if isinstance(value, relax.Call):
+            stack.extend(a for a in value.args if isinstance(a, relax.Expr))
+        elif isinstance(value, relax.Tuple):
+            stack.extend(value.fields)
+        elif isinstance(value, relax.TupleGetItem):
+            stack.append(value.tuple_value)
+    return False
+
+
 def dtype_of(expr: relax.Expr) -> str:
     ty = expr.ty
     return str(ty.dtype) if isinstance(ty, relax.TensorType) else ""

@@ -11,6 +11,7 @@ from ._fusion import (
     bindings_of,
     call,
     composite_kind,
+    depends_on,
     fuse_regions,
     is_float,
     main_functions,
@@ -34,27 +35,6 @@ def _producer_kind(mod, bindings, expr):
         expr = value.args[0]
 
 
-def _depends_on(bindings, expr, target, seen=None) -> bool:
-    """True if ``expr`` is computed from ``target`` (inside the entry function)."""
-    seen = set() if seen is None else seen
-    stack = [expr]
-    while stack:
-        e = stack.pop()
-        if e.same_as(target):
-            return True
-        if not isinstance(e, relax.Var) or e in seen:
-            continue
-        seen.add(e)
-        value = bindings.get(e)
-        if isinstance(value, relax.Call):
-            stack.extend(a for a in value.args if isinstance(a, relax.Var))
-        elif isinstance(value, relax.TupleGetItem):
-            stack.append(value.tuple_value)
-        elif isinstance(value, relax.Tuple):
-            stack.extend(f for f in value.fields if isinstance(f, relax.Var))
-    return False
-
-
 def residual_patterns(mod: tvm.IRModule) -> list[RegionPattern]:
     """``add(stream, block_out)``: same-shape float add of two activations, one of them
     produced by a linear / MLP / attention region."""
@@ -73,7 +53,7 @@ def residual_patterns(mod: tvm.IRModule) -> list[RegionPattern]:
         for block_out, stream, kind in ((lhs, rhs, kinds[0]), (rhs, lhs, kinds[1])):
             # the stream bypasses the block: an add of the block output with something
             # computed from it (GELU's x + 0.044715 x^3) is not a residual connection
-            if kind in _BLOCK_OUTPUTS and not _depends_on(bindings, stream, block_out):
+            if kind in _BLOCK_OUTPUTS and not depends_on(bindings, stream, block_out):
                 return True
         return False
 

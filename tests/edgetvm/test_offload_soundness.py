@@ -49,27 +49,28 @@ def test_a_gelu_shaped_function_with_other_constants_stays_on_the_host(tmp_path)
     assert {"tanh", "power"} <= generic
 
 
-def test_attention_over_host_kv_appends_stays_on_the_host(monkeypatch):
-    # KV appends refused (as if the NPU had no kernel for them): an NPU attention would
-    # read device pages nobody wrote, so the whole-graph check keeps attention on the host
+def _session_refusing(monkeypatch, kind, family):
+    """A session whose offload decision refuses every region of ``kind`` (as if the NPU
+    had no kernel for it)."""
     real = session_module.offloadable
-    monkeypatch.setattr(session_module, "offloadable",
-                        lambda r: r.kind != "kv_append" and real(r))
-    path = str(DATA / "qwen2_tiny_with_past.onnx")
-    session = NPUSession(path, max_tokens=64)
+    monkeypatch.setattr(session_module, "offloadable", lambda r: r.kind != kind and real(r))
+    path = str(DATA / f"{family}_tiny_with_past.onnx")
+    return NPUSession(path, max_tokens=64), path
+
+
+def test_attention_over_host_kv_appends_stays_on_the_host(monkeypatch):
+    # KV appends on the host: an NPU attention would read device pages nobody wrote, so
+    # the whole-graph check keeps attention on the host too
+    session, path = _session_refusing(monkeypatch, "kv_append", "qwen2")
     kinds = {r.kind for r in session.regions}
     assert "attention" not in kinds and "kv_append" not in kinds and "linear" in kinds
     _same_as_onnxruntime(session, path)
 
 
 def test_host_attention_reads_the_present_of_npu_kv_appends(monkeypatch):
-    # attention refused, KV appends on the NPU: the host attention reads ``present``, which
-    # must carry its data
-    real = session_module.offloadable
-    monkeypatch.setattr(session_module, "offloadable",
-                        lambda r: r.kind != "attention" and real(r))
-    path = str(DATA / "llama_tiny_with_past.onnx")
-    session = NPUSession(path, max_tokens=64)
+    # attention on the host, KV appends on the NPU: the host attention reads ``present``,
+    # which must carry its data
+    session, path = _session_refusing(monkeypatch, "attention", "llama")
     kinds = {r.kind for r in session.regions}
     assert "attention" not in kinds and "kv_append" in kinds
     _same_as_onnxruntime(session, path)
