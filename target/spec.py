@@ -26,18 +26,25 @@ MMA_DTYPES = ("fp16", "int8", "w4a16")
 #: vector ops with a per-op cost (cycles per ``vector_lanes`` elements).
 VECTOR_OPS = ("add", "sub", "mul", "max", "div", "reduce_max", "reduce_sum", "exp", "rsqrt",
               "silu", "gelu", "gelu_tanh", "rope", "mask", "cast", "copy")
-UNITS = ("dma", "matrix", "vector", "host")
+#: units that draw power while busy (DMA and memories are charged per byte moved)
+UNITS = ("matrix", "vector", "host")
+#: emulator model version: bumped whenever the functional, timing or power model changes;
+#: it is stamped on every program file, benchmark JSON and tuning-log key
+EMULATOR_MODEL_VERSION = 2
 
 
 @dataclass(frozen=True)
 class PowerProfile:
     """A power envelope: a budget on windowed average power and how it is enforced.
 
-    Throttling rule (DVFS): in a window whose demanded average power ``P`` exceeds
-    ``budget_mw``, the clock is scaled by ``s < 1`` so that
-    ``static_mw + (P - static_mw) * s ** dvfs_exponent == budget_mw``; the window's work
-    then takes ``1 / s`` times as long. ``dvfs_exponent`` 1 models frequency scaling at
-    fixed voltage, 3 the usual ``f * V^2`` with voltage tracking frequency.
+    Throttling rule (DVFS, see ``emulator/power.py``): every ``dvfs_interval_cycles`` a
+    governor looks at the average power of the last ``power_window_cycles`` and sets the
+    NPU clock scale ``s <= 1`` for the next interval so that the window's power, with the
+    NPU units' dynamic power scaled by ``s ** dvfs_exponent``, meets ``budget_mw``. DRAM
+    is not slowed (its energy per byte stays), so a budget below the DRAM power of a
+    bandwidth-bound phase cannot be met by throttling. ``dvfs_exponent`` 1 models
+    frequency scaling at fixed voltage, 3 the usual ``f * V^2`` with voltage tracking
+    frequency.
     """
 
     name: str
@@ -54,15 +61,20 @@ class NPUSpec:
     clock_mhz: float
     # tightly coupled memory
     tcm_bytes: int
-    tcm_banks: int
     tcm_alignment: int
+    tcm_read_pj_per_byte: float
+    tcm_write_pj_per_byte: float
     # DMA between DRAM (LPDDR) and TCM
     dma_channels: int
     dram_bytes_per_cycle: float
+    dram_burst_bytes: int
+    dram_pj_per_byte: float
     dma_setup_cycles: int
-    # matrix unit: native tile (m, n, k) and MACs per cycle per dtype
+    # matrix unit: native tile (m, n, k), MACs per cycle per dtype, per-command latency
     mma_tile: tuple
     mma_macs_per_cycle: Mapping[str, int]
+    mma_issue_cycles: int
+    w4a16_dequant_weights_per_cycle: int
     # vector unit
     vector_lanes: int
     vector_op_cycles: Mapping[str, int]
@@ -76,6 +88,7 @@ class NPUSpec:
     power_static_mw: float
     power_unit_mw: Mapping[str, float]
     power_window_cycles: int
+    dvfs_interval_cycles: int
     power_profiles: Mapping[str, PowerProfile]
     default_profile: str = "performance"
     source: str = field(default="", compare=False)
@@ -153,11 +166,16 @@ def spec_from_dict(d: dict, source: str = "<dict>") -> NPUSpec:
 
 def _validate(s: NPUSpec) -> None:
     problems = []
-    for name in ("clock_mhz", "tcm_bytes", "tcm_banks", "tcm_alignment", "dma_channels",
-                 "dram_bytes_per_cycle", "vector_lanes", "power_window_cycles",
-                 "host_flops_per_cycle"):
+    for name in ("clock_mhz", "tcm_bytes", "tcm_alignment", "dma_channels",
+                 "dram_bytes_per_cycle", "dram_burst_bytes", "vector_lanes",
+                 "power_window_cycles", "dvfs_interval_cycles", "host_flops_per_cycle",
+                 "w4a16_dequant_weights_per_cycle"):
         if not getattr(s, name) > 0:
             problems.append(f"{name} must be > 0")
+    for name in ("dram_pj_per_byte", "tcm_read_pj_per_byte", "tcm_write_pj_per_byte",
+                 "mma_issue_cycles", "dma_setup_cycles", "event_sync_cycles", "launch_cycles"):
+        if getattr(s, name) < 0:
+            problems.append(f"{name} must be >= 0")
     if len(s.mma_tile) != 3 or min(s.mma_tile) <= 0:
         problems.append("mma_tile must be three positive ints (m, n, k)")
     for k in MMA_DTYPES:

@@ -1,6 +1,7 @@
 """The NPU emulator: functional + timing + power model of a command stream (see device.py)."""
-from .device import Counters, Emulator, RunResult, TraceEvent, command_cycles
+from .costs import command_cycles
+from .device import Counters, Emulator, RunResult, Timeline, TraceEvent
 from .trace import chrome_trace, write_chrome_trace
 
-__all__ = ["Emulator", "RunResult", "Counters", "TraceEvent", "command_cycles", "chrome_trace",
-           "write_chrome_trace"]
+__all__ = ["Emulator", "Timeline", "RunResult", "Counters", "TraceEvent", "command_cycles",
+           "chrome_trace", "write_chrome_trace"]

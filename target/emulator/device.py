@@ -1,25 +1,30 @@
 """The emulator: runs a command stream for real and measures it.
 
-One :class:`Emulator` is one NPU with its DRAM. :meth:`Emulator.run` executes a program:
+One :class:`Emulator` is one NPU with its DRAM. :meth:`Emulator.run` executes a program;
+:meth:`Emulator.timeline` runs several programs back to back on one clock, so that power
+windows and throttling see one step's kernels as the device would:
 
 * functional: every command's numpy semantics (``functional.py``) on a TCM byte array and
   the DRAM tensors, so the outputs are the real results;
-* timing: one timeline per unit (each DMA channel, matrix, vector, host). A unit issues its
-  commands in program order; a command starts when its unit is free and every event it
-  waits on has been signalled (plus ``event_sync_cycles``). A DMA pays
-  ``dma_setup_cycles`` on its channel, then moves its bytes over the DRAM bus
-  (``dram_bytes_per_cycle``, shared by all channels). ``Launch`` and ``End`` wait for all
-  units. Among the commands that could start, the earliest starts first (a discrete-event
-  simulation), so overlap is exactly what the events allow;
+* timing: a discrete-event simulation of the units (each DMA channel, matrix, vector,
+  host) and the DRAM bus. A unit issues its commands in program order; a command starts
+  when its unit is free and the signals it waits on have arrived (plus
+  ``event_sync_cycles``). Command costs are in ``costs.py``. A DMA sets up on its channel
+  (``dma_setup_cycles``), then moves its bursts over the DRAM bus, which serves the busy
+  channels round robin at burst granularity: with ``k`` transfers on the bus, each moves
+  ``dram_bytes_per_cycle / k`` bytes per cycle. Among the commands that could start, the
+  earliest starts first (ties: the lowest command index), so overlap is exactly what the
+  events allow;
+* clock: the power governor (``power.py``) sets the NPU clock scale ``s`` every
+  ``dvfs_interval_cycles``; compute and DMA set-up progress at ``s`` cycles per cycle,
+  DRAM transfers and host ops do not slow down. Times are in nominal-clock cycles;
 * hazards: vector-clock race detection (``hazards.py``) and static checks (``validate.py``);
-* power: windowed power and DVFS throttling (``power.py``).
+* power: what each unit, the DRAM and the TCM draw, windowed and throttled (``power.py``).
 
 ``state`` tensors (e.g. KV cache pages) persist in :attr:`Emulator.state` across runs.
 """
 from __future__ import annotations
 
-import heapq
-import math
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
@@ -28,32 +33,39 @@ import numpy as np
 from edgetvm.errors import InvalidProgramError
 
 from ..host_ops import HOST_OPS
-from ..isa import (ITEMSIZE, DmaLoad, DmaStore, End, EventSignal, EventWait, HostOp, Launch, Mma,
-                   Program, TcmRef, Vector, eval_value)
+from ..isa import (ITEMSIZE, DmaLoad, DmaStore, End, EventSignal, EventWait, HostOp, Launch,
+                   Mma, Program, TcmRef, Vector, eval_value)
 from ..spec import NPUSpec, load_spec
 from . import functional as F
+from .costs import command_cycles, dma_tcm_traffic, dram_bursts, tcm_traffic
 from .hazards import HazardChecker, Region
-from .power import power_report
+from .power import PowerLog, governor_scale
 from .validate import check_dram_bounds, command_name, validate
+
+_EPS = 1e-9
 
 
 @dataclass
 class Counters:
-    """What the emulator measured for one run (cycles at the spec's clock)."""
+    """What the emulator measured for one run (cycles at the spec's nominal clock)."""
 
     total_cycles: int
     time_us: float
-    unthrottled_cycles: int
-    throttled_cycles: int
-    dram_read_bytes: int
+    throttled_cycles: int            # time the governor held the clock below nominal
+    min_clock_scale: float
+    dram_read_bytes: int             # bytes the program asked for
     dram_write_bytes: int
+    dram_bus_bytes: int              # what the bus moved: whole bursts
+    tcm_read_bytes: int
+    tcm_write_bytes: int
     tcm_high_water_bytes: int
     busy_cycles: dict
     stall_cycles: dict
-    peak_power_mw: float
-    peak_power_demand_mw: float
+    peak_power_mw: float             # peak of the sliding power_window_cycles average
+    peak_power_demand_mw: float      # the same with the compute units at nominal clock
     avg_power_mw: float
     energy_uj: float
+    energy_uj_by: dict               # static, units (matrix, vector), host, dram, tcm
     macs: int
     commands: int
     commands_skipped: int
@@ -69,7 +81,7 @@ class TraceEvent:
     unit: str
     name: str
     index: int
-    start: float     # cycles, throttled timeline
+    start: float     # cycles on the run's timeline
     end: float
 
 
@@ -78,8 +90,8 @@ class RunResult:
     outputs: dict
     counters: Counters
     trace: list = field(default_factory=list)
-    power_mw: np.ndarray | None = None           # per window, after throttling
-    power_window_starts: np.ndarray | None = None  # cycles, throttled timeline
+    power_mw: np.ndarray | None = None           # average power per DVFS interval
+    power_window_starts: np.ndarray | None = None  # start of each of those intervals
 
 
 @dataclass
@@ -92,28 +104,13 @@ class _Step:
     cycles: int         # compute cost (non-DMA); DMA cost depends on valid_rows
     tcm_reads: tuple
     tcm_writes: tuple
+    tcm_pj: float       # TCM access energy of a compute command
 
 
 def _tcm_region(ref: TcmRef, rows: int | None = None) -> Region:
     isz = ITEMSIZE[ref.dtype]
     return Region("tcm", ref.offset, ref.shape[0] if rows is None else rows,
                   ref.shape[1] * isz, ref.stride * isz)
-
-
-def command_cycles(cmd, spec: NPUSpec) -> int:
-    """Cycles a non-DMA command occupies its unit (DMA: see the emulator docstring)."""
-    if isinstance(cmd, Mma):
-        m, n, k = cmd.mnk
-        tm, tn, tk = spec.mma_tile
-        tiles = -(-m // tm) * -(-n // tn) * -(-k // tk)
-        return -(-tiles * tm * tn * tk // spec.mma_macs_per_cycle[cmd.kind])
-    if isinstance(cmd, Vector):
-        elems = max(cmd.dst.shape[0] * cmd.dst.shape[1],
-                    cmd.srcs[0].shape[0] * cmd.srcs[0].shape[1])
-        return -(-elems // spec.vector_lanes) * spec.vector_op_cycles[cmd.op]
-    if isinstance(cmd, HostOp):
-        return spec.host_switch_cycles + -(-cmd.flops // max(1, int(spec.host_flops_per_cycle)))
-    return 0
 
 
 def _plan(program: Program, spec: NPUSpec) -> list:
@@ -130,8 +127,10 @@ def _plan(program: Program, spec: NPUSpec) -> list:
         elif isinstance(cmd, Vector):
             reads = tuple(_tcm_region(r) for r in cmd.srcs)
             writes = (_tcm_region(cmd.dst),)
+        rd, wr = tcm_traffic(cmd)
         steps.append(_Step(cmd.unit, command_name(cmd), tuple(Counter(cmd.wait).items()),
-                           command_cycles(cmd, spec), reads, writes))
+                           command_cycles(cmd, spec), reads, writes,
+                           rd * spec.tcm_read_pj_per_byte + wr * spec.tcm_write_pj_per_byte))
     return steps
 
 
@@ -154,24 +153,31 @@ class Emulator:
 
     def run(self, program: Program, inputs: dict | None = None, params: dict | None = None,
             trace: bool = False) -> RunResult:
-        """Execute ``program``; returns its outputs, counters and (optionally) a trace."""
-        steps = self._plan_for(program)
-        params = self._check_params(program, params or {})
-        dram = self._bind_dram(program, inputs or {})
-        run = _Run(self, program, steps, dram, params, trace)
-        return run.execute()
+        """Execute ``program`` on a fresh timeline (idle before it); returns its outputs,
+        counters and (optionally) a trace."""
+        return self.timeline().run(program, inputs, params, trace)
+
+    def timeline(self) -> "Timeline":
+        """A clock on which runs follow one another: power windows and throttling carry
+        over from one run to the next (one step of a model, kernel after kernel)."""
+        return Timeline(self)
 
     # -- helpers ----------------------------------------------------------------------
     def _plan_for(self, program: Program) -> list:
+        # keyed by content: a program edited in place (commands or tensors replaced) is
+        # validated and planned again, never run with the plan of what it was
         key = id(program)
+        content = (tuple(program.commands),
+                   tuple((n, tuple(t.shape), t.dtype, t.kind) for n, t in program.tensors.items()),
+                   tuple(program.params), program.tcm_bytes)
         cached = self._plans.get(key)
-        if cached is not None and cached[0] is program:
-            return cached[1]
+        if cached is not None and cached[0] is program and _same(cached[1], content):
+            return cached[2]
         validate(program, self.spec)
         steps = _plan(program, self.spec)
         if len(self._plans) > 64:
             self._plans.clear()
-        self._plans[key] = (program, steps)
+        self._plans[key] = (program, content, steps)
         return steps
 
     @staticmethod
@@ -221,65 +227,203 @@ class Emulator:
         return dram
 
 
-class _Run:
-    """One execution of one program (the discrete-event loop)."""
+def _same(a: tuple, b: tuple) -> bool:
+    cmds_a, rest_a = a[0], a[1:]
+    cmds_b, rest_b = b[0], b[1:]
+    return len(cmds_a) == len(cmds_b) and all(x is y for x, y in zip(cmds_a, cmds_b)) \
+        and rest_a == rest_b
 
-    def __init__(self, emu: Emulator, program: Program, steps, dram, params, trace):
-        self.emu, self.spec, self.program, self.steps = emu, emu.spec, program, steps
-        self.dram, self.params, self.want_trace = dram, params, trace
+
+class Timeline:
+    """The clock of one emulated device across runs: time, the governor's clock scale and
+    the power log. Each :meth:`run` starts when the previous one ended."""
+
+    def __init__(self, emu: Emulator):
+        self.emu, self.spec = emu, emu.spec
+        self.now = 0.0
+        self.scale = 1.0
+        self.next_dvfs = float(self.spec.dvfs_interval_cycles)
+        self.log = PowerLog(self.spec.power_static_mw)
+        self.throttled = 0.0
+        self.min_scale = 1.0
+
+    def run(self, program: Program, inputs: dict | None = None, params: dict | None = None,
+            trace: bool = False) -> RunResult:
+        emu = self.emu
+        steps = emu._plan_for(program)
+        params = emu._check_params(program, params or {})
+        dram = emu._bind_dram(program, inputs or {})
+        return _Run(self, program, steps, dram, params, trace).execute()
+
+    def counters(self, start: float = 0.0) -> dict:
+        """Time, energy and peak windowed power of the timeline since ``start``."""
+        spec = self.spec
+        peak, demand = self.log.peaks(start, self.now, spec.power_window_cycles)
+        energy = self.log.energy(start, self.now)
+        total = self.now - start
+        return {"total_cycles": int(np.ceil(total - _EPS)) if total > 0 else 0,
+                "time_us": spec.cycles_to_us(total), "peak_power_mw": peak,
+                "peak_power_demand_mw": demand,
+                "avg_power_mw": energy / total if total > 0 else 0.0,
+                "energy_uj": energy / spec.clock_mhz * 1e-3}
+
+    # -- the clock --------------------------------------------------------------------
+    def power_now(self, active, sharers: int) -> tuple:
+        """(power parts in mW, compute units' power at nominal clock) for the current
+        activities (``sharers``: transfers on the bus)."""
+        spec, e = self.spec, self.emu.profile.dvfs_exponent
+        mhz = spec.clock_mhz / 1000.0
+        parts = {"static": spec.power_static_mw, "units": 0.0, "dram": 0.0, "tcm": 0.0,
+                 "host": 0.0}
+        nominal = 0.0
+        for act in active.values():
+            if act.phase == "compute":
+                p = spec.power_unit_mw[act.unit]
+                if act.unit == "host":
+                    parts["host"] += p
+                else:
+                    nominal += p
+                    parts["units"] += p * self.scale ** e
+            if act.tcm_pj and act.phase in ("compute", "transfer"):
+                parts["tcm"] += act.tcm_pj / act.work * act.rate(self, sharers) * mhz
+        if sharers:
+            parts["dram"] = spec.dram_bytes_per_cycle * spec.dram_pj_per_byte * mhz
+        return parts, nominal
+
+
+class _Activity:
+    """What a busy unit is doing: ``setup`` (DMA, NPU clock), ``transfer`` (DMA bursts on
+    the bus) or ``compute`` (NPU clock; the host at its own)."""
+
+    __slots__ = ("index", "unit", "phase", "remaining", "work", "tcm_pj", "start",
+                 "bus_bytes", "alone", "vc")
+
+    def __init__(self, index, unit, phase, remaining, tcm_pj, start, vc):
+        self.index, self.unit, self.phase, self.remaining = index, unit, phase, remaining
+        self.work, self.tcm_pj, self.start, self.vc = remaining, tcm_pj, start, vc
+        self.bus_bytes = self.alone = 0.0
+
+    def rate(self, clock: Timeline, sharers: int = 1) -> float:
+        if self.phase == "transfer":
+            return clock.spec.dram_bytes_per_cycle / max(1, sharers)
+        if self.unit == "host":
+            return 1.0
+        return clock.scale
+
+
+class _Run:
+    """One execution of one program on a timeline (the discrete-event loop)."""
+
+    def __init__(self, clock: Timeline, program: Program, steps, dram, params, trace):
+        emu = clock.emu
+        self.clock, self.emu, self.spec = clock, emu, emu.spec
+        self.program, self.steps, self.dram, self.params = program, steps, dram, params
+        self.want_trace = trace
         self.flat = {k: v.reshape(-1) for k, v in dram.items()}
         self.names = [s.name for s in steps]
         self.hazards = HazardChecker(emu.units)
-        self.unit_free = {u: 0.0 for u in emu.units}
-        self.dram_free = 0.0
-        self.signals: dict = {}          # event -> heap of (time, tiebreak, vc, unit)
-        self.tiebreak = 0
-        self.busy = {u: ([], []) for u in emu.units}
+        self.t0 = clock.now
+        self.unit_free = {u: clock.now for u in emu.units}
+        self.active: dict = {}                 # unit -> _Activity
+        self.signals: dict = {}                # event -> deque of (time, vc, unit)
+        self.busy = Counter()
         self.stall = Counter()
         self.trace: list = []
-        self.read_bytes = self.write_bytes = self.macs = 0
+        self.read_bytes = self.write_bytes = self.bus_bytes = self.macs = 0
+        self.tcm_read = self.tcm_write = 0
         self.skipped = self.launches = 0
         self.tcm_high = 0
+        self.throttled, self.min_scale = 0.0, clock.scale
+        self.parts0 = dict(clock.log.parts)
         emu.tcm[:program.tcm_bytes] = 0   # deterministic: no data from an earlier run
 
     def execute(self) -> RunResult:
-        cmds = self.program.commands
         segment: list = []
-        end_time = 0.0
-        for i, cmd in enumerate(cmds):
+        for i, cmd in enumerate(self.program.commands):
             if isinstance(cmd, (Launch, End)):
                 self._run_segment(segment)
                 segment = []
-                end_time = self._barrier(i, cmd)
+                self._barrier(i, cmd)
                 if isinstance(cmd, End):
                     break
             else:
                 segment.append(i)
-        return self._result(end_time)
+        return self._result()
 
-    # -- scheduling -------------------------------------------------------------------
+    # -- the clock ----------------------------------------------------------------------
+    def _transfers(self) -> int:
+        return sum(a.phase == "transfer" for a in self.active.values())
+
+    def _advance(self, t: float) -> None:
+        """Move the clock to ``t``: activities progress, power is logged, the governor
+        acts at every DVFS boundary crossed."""
+        clock = self.clock
+        while clock.now < t - _EPS:
+            t1 = min(t, clock.next_dvfs)
+            dt = t1 - clock.now
+            sharers = self._transfers()
+            parts, nominal = clock.power_now(self.active, sharers)
+            clock.log.add(t1, parts, nominal)
+            for act in self.active.values():
+                act.remaining -= act.rate(clock, sharers) * dt
+            if clock.scale < 1.0:
+                clock.throttled += dt
+                self.throttled += dt
+            self.min_scale = min(self.min_scale, clock.scale)
+            clock.now = t1
+            if t1 >= clock.next_dvfs - _EPS:
+                clock.scale = governor_scale(clock.log, clock.now, self.spec, self.emu.profile)
+                clock.min_scale = min(clock.min_scale, clock.scale)
+                clock.next_dvfs += self.spec.dvfs_interval_cycles
+        clock.now = max(clock.now, t)
+
+    def _next_completion(self):
+        sharers = self._transfers()
+        best = None
+        for act in self.active.values():
+            t = self.clock.now + max(act.remaining, 0.0) / act.rate(self.clock, sharers)
+            if best is None or (t, act.index) < (best[0], best[1].index):
+                best = (t, act)
+        return best
+
+    # -- scheduling ---------------------------------------------------------------------
+    def _ready_start(self, u, i):
+        """(start time, cause unit) of queue head ``i`` on ``u``, or None if a signal it
+        waits on has not arrived yet."""
+        start, cause = self.unit_free[u], None
+        sync = self.spec.event_sync_cycles
+        for e, k in self.steps[i].waits:
+            q = self.signals.get(e)
+            if q is None or len(q) < k:
+                return None
+            t = q[k - 1][0] + sync
+            if t > start:
+                start, cause = t, q[k - 1][2]
+        return start, cause
+
     def _run_segment(self, indices) -> None:
         queues = {u: deque() for u in self.emu.units}
         for i in indices:
             queues[self.steps[i].unit].append(i)
         queues = {u: q for u, q in queues.items() if q}
-        sync = self.spec.event_sync_cycles
-        while queues:
+        while queues or self.active:
             best = None
             for u, q in queues.items():
-                i = q[0]
-                start, cause = self.unit_free[u], None
-                ready = True
-                for e, k in self.steps[i].waits:
-                    heap = self.signals.get(e)
-                    if heap is None or len(heap) < k:
-                        ready = False
-                        break
-                    sig = heap[0] if k == 1 else heapq.nsmallest(k, heap)[-1]
-                    if sig[0] + sync > start:
-                        start, cause = sig[0] + sync, sig[3]
-                if ready and (best is None or (start, i) < (best[0], best[1])):
-                    best = (start, i, u, cause)
+                if u in self.active:
+                    continue
+                ready = self._ready_start(u, q[0])
+                if ready is not None and (best is None or (ready[0], q[0]) < (best[0], best[1])):
+                    best = (max(ready[0], self.clock.now), q[0], u, ready[1])
+            done = self._next_completion()
+            nxt = min(x[0] for x in (done, best) if x is not None) if (done or best) else None
+            if nxt is not None and self.clock.next_dvfs < nxt - _EPS:
+                # the governor acts first: activities' rates change, so look again after
+                self._advance(self.clock.next_dvfs)
+                continue
+            if done is not None and (best is None or done[0] <= best[0] + _EPS):
+                self._advance(done[0])
+                self._complete(done[1])
+                continue
             if best is None:
                 blocked = min(q[0] for q in queues.values())
                 ev = [e for e, k in self.steps[blocked].waits]
@@ -287,6 +431,7 @@ class _Run:
                     f"deadlock: {self.names[blocked]} waits on event(s) {ev} that no runnable "
                     f"command can signal", blocked)
             start, i, u, cause = best
+            self._advance(start)
             queues[u].popleft()
             if not queues[u]:
                 del queues[u]
@@ -297,70 +442,93 @@ class _Run:
             joined = []
             for e, k in self.steps[i].waits:
                 for _ in range(k):
-                    joined.append(heapq.heappop(self.signals[e])[2])
-            self._issue(i, u, start, joined)
+                    joined.append(self.signals[e].popleft()[1])
+            self._issue(i, u, joined)
 
-    def _issue(self, i, unit, start, joined) -> None:
+    def _issue(self, i, unit, joined) -> None:
         cmd, step = self.program.commands[i], self.steps[i]
+        now = self.clock.now
         vc = self.hazards.begin(unit, joined)
         active = cmd.when is None or cmd.when.eval(self.params) > 0
-        end = start
+        act = None
         if not active:
             self.skipped += 1
         elif isinstance(cmd, (DmaLoad, DmaStore)):
-            end = self._dma(i, cmd, step, vc, start)
+            act = self._dma(i, cmd, step, vc, now)
         elif not isinstance(cmd, (EventWait, EventSignal)):
             self._compute(i, cmd, step, vc)
-            end = start + step.cycles
-        if end > start:
-            self.busy[unit][0].append(start)
-            self.busy[unit][1].append(end)
-            if self.want_trace:
-                self.trace.append(TraceEvent(unit, step.name, i, start, end))
-        self.unit_free[unit] = end
-        for e in cmd.signal:
-            self.tiebreak += 1
-            heapq.heappush(self.signals.setdefault(e, []), (end, self.tiebreak, vc, unit))
+            if step.cycles > 0:
+                act = _Activity(i, unit, "compute", float(step.cycles), step.tcm_pj, now, vc)
+        if act is None:
+            self._finish(i, unit, now, now, vc)
+        else:
+            self.active[unit] = act
 
-    def _barrier(self, i, cmd) -> float:
-        t = max(max(self.unit_free.values()), self.dram_free)
+    def _complete(self, act: _Activity) -> None:
+        now = self.clock.now
+        if act.phase == "setup":
+            act.phase, act.remaining, act.work = "transfer", act.bus_bytes, act.bus_bytes
+            if act.bus_bytes > 0:
+                return
+        if act.phase == "transfer":
+            self.stall["dram_bus"] += max(0.0, now - act.start - self.spec.dma_setup_cycles
+                                          - act.alone)
+        del self.active[act.unit]
+        self._finish(act.index, act.unit, act.start, now, act.vc)
+
+    def _finish(self, i, unit, start, end, vc) -> None:
+        if end > start:
+            self.busy[unit] += end - start
+            if self.want_trace:
+                self.trace.append(TraceEvent(unit, self.steps[i].name, i, start - self.t0,
+                                             end - self.t0))
+        self.unit_free[unit] = end
+        for e in self.program.commands[i].signal:
+            self.signals.setdefault(e, deque()).append((end, vc, unit))
+
+    def _barrier(self, i, cmd) -> None:
+        self._advance(max(self.unit_free.values()))
         if isinstance(cmd, Launch):
             self.launches += 1
+            start = self.clock.now
+            # reconfiguration on the NPU clock: no unit busy, static power only
+            remaining = float(self.spec.launch_cycles)
+            while remaining > _EPS:
+                t = self.clock.now + remaining / self.clock.scale
+                nxt = min(t, self.clock.next_dvfs)
+                remaining -= (nxt - self.clock.now) * self.clock.scale
+                self._advance(nxt)
             if self.want_trace:
-                self.trace.append(TraceEvent("control", f"Launch {cmd.name}".strip(), i, t,
-                                             t + self.spec.launch_cycles))
-            t += self.spec.launch_cycles
+                self.trace.append(TraceEvent("control", f"Launch {cmd.name}".strip(), i,
+                                             start - self.t0, self.clock.now - self.t0))
         for u in self.unit_free:
-            self.unit_free[u] = t
-        self.dram_free = t
+            self.unit_free[u] = self.clock.now
         self.hazards.barrier()
-        return t
 
     # -- execution --------------------------------------------------------------------
     def _dram_window(self, i, ref, rows):
         decl = self.program.tensors[ref.tensor]
         off = eval_value(ref.offset, self.params)
-        if not isinstance(ref.offset, int):
-            try:
-                check_dram_bounds(ref, decl, off, "DRAM operand")
-            except InvalidProgramError as e:
-                raise InvalidProgramError(str(e) + f" (runtime parameters {self.params})", i) \
-                    from None
+        try:
+            check_dram_bounds(ref, decl, off, "DRAM operand", rows)
+        except InvalidProgramError as e:
+            raise InvalidProgramError(str(e) + f" (runtime parameters {self.params})", i) \
+                from None
         isz = ITEMSIZE[decl.dtype]
         region = Region("dram:" + ref.tensor, off * isz, rows, ref.shape[1] * isz,
                         ref.row_stride * isz)
-        return F.dram_view(self.flat[ref.tensor], ref, off), region
+        return F.dram_view(self.flat[ref.tensor], ref, off), region, off * isz
 
-    def _dma(self, i, cmd, step, vc, start) -> float:
+    def _dma(self, i, cmd, step, vc, now):
         rows = F.valid_rows(cmd, self.params)
         load = isinstance(cmd, DmaLoad)
         tcm_ref, dram_ref = (cmd.dst, cmd.src) if load else (cmd.src, cmd.dst)
         if rows == 0:
             self.skipped += 1
-            return start
+            return None
         if not load and self.program.tensors[dram_ref.tensor].kind == "const":
             raise InvalidProgramError(f"DmaStore writes const tensor {dram_ref.tensor!r}", i)
-        view, dram_region = self._dram_window(i, dram_ref, rows)
+        view, dram_region, start_byte = self._dram_window(i, dram_ref, rows)
         tcm_region = _tcm_region(tcm_ref, rows)
         if load:
             # const tensors are never written (stores and host ops to them are refused), so
@@ -371,16 +539,27 @@ class _Run:
         else:
             self.hazards.check(i, step.unit, vc, (tcm_region,), (dram_region,), self.names)
         F.dma(cmd, self.emu.tcm, view, rows)
-        nbytes = rows * tcm_ref.shape[1] * ITEMSIZE[tcm_ref.dtype]
+        isz = ITEMSIZE[tcm_ref.dtype]
+        nbytes = rows * tcm_ref.shape[1] * isz
+        burst = self.spec.dram_burst_bytes
+        bus = dram_bursts(start_byte, rows, tcm_ref.shape[1] * isz, dram_ref.row_stride * isz,
+                          burst) * burst
+        rd, wr = dma_tcm_traffic(cmd, rows)
         if load:
             self.read_bytes += nbytes
         else:
             self.write_bytes += nbytes
+        self.bus_bytes += bus
+        self.tcm_read += rd
+        self.tcm_write += wr
         self.tcm_high = max(self.tcm_high, tcm_ref.end)
-        data_start = max(start + self.spec.dma_setup_cycles, self.dram_free)
-        self.stall["dram_bus"] += data_start - (start + self.spec.dma_setup_cycles)
-        self.dram_free = data_start + math.ceil(nbytes / self.spec.dram_bytes_per_cycle)
-        return self.dram_free
+        pj = rd * self.spec.tcm_read_pj_per_byte + wr * self.spec.tcm_write_pj_per_byte
+        act = _Activity(i, step.unit, "setup", float(self.spec.dma_setup_cycles), pj, now, vc)
+        act.bus_bytes = float(bus)
+        act.alone = bus / self.spec.dram_bytes_per_cycle
+        if act.remaining <= 0:
+            act.phase, act.remaining, act.work = "transfer", act.bus_bytes, act.bus_bytes
+        return act
 
     def _compute(self, i, cmd, step, vc) -> None:
         if isinstance(cmd, HostOp):
@@ -389,6 +568,9 @@ class _Run:
         self.hazards.check(i, step.unit, vc, step.tcm_reads, step.tcm_writes, self.names)
         for r in step.tcm_writes + step.tcm_reads:
             self.tcm_high = max(self.tcm_high, r.end)
+        rd, wr = tcm_traffic(cmd)
+        self.tcm_read += rd
+        self.tcm_write += wr
         if isinstance(cmd, Mma):
             F.mma(cmd, self.emu.tcm)
             m, n, k = cmd.mnk
@@ -418,39 +600,36 @@ class _Run:
             dst[...] = np.asarray(r).reshape(dst.shape).astype(dst.dtype)
 
     # -- result -----------------------------------------------------------------------
-    def _result(self, end_time) -> RunResult:
-        spec = self.spec
-        intervals = {u: (np.asarray(s, dtype=np.float64), np.asarray(e, dtype=np.float64))
-                     for u, (s, e) in self.busy.items()}
-        pr = power_report(spec, self.emu.profile, intervals, end_time)
-        total = math.ceil(pr.total_cycles - 1e-9) if end_time > 0 else 0
-        energy_mw_cycles = float((pr.power_mw * pr.duration_cycles).sum()) if end_time > 0 else 0.0
-        trace = []
-        if self.want_trace:
-            for ev in self.trace:
-                s, e = pr.stretch([ev.start, ev.end])
-                trace.append(TraceEvent(ev.unit, ev.name, ev.index, float(s), float(e)))
+    def _result(self) -> RunResult:
+        spec, clock, log = self.spec, self.clock, self.clock.log
+        summary = clock.counters(self.t0)
+        total = summary["total_cycles"]
+        starts, power = log.trace(self.t0, clock.now, spec.dvfs_interval_cycles)
+        mhz = spec.clock_mhz
+        by = {k: v - self.parts0.get(k, 0.0) for k, v in log.parts.items()}
         outputs = {t.name: self.dram[t.name] for t in self.program.tensors_of("output")}
-        busy = {u: float(sum(e) - sum(s)) for u, (s, e) in self.busy.items()}
         counters = Counters(
-            total_cycles=int(total),
+            total_cycles=total,
             time_us=spec.cycles_to_us(total),
-            unthrottled_cycles=int(math.ceil(end_time)),
-            throttled_cycles=int(total - math.ceil(end_time)),
+            throttled_cycles=int(round(self.throttled)),
+            min_clock_scale=float(self.min_scale),
             dram_read_bytes=int(self.read_bytes),
             dram_write_bytes=int(self.write_bytes),
+            dram_bus_bytes=int(self.bus_bytes),
+            tcm_read_bytes=int(self.tcm_read),
+            tcm_write_bytes=int(self.tcm_write),
             tcm_high_water_bytes=int(self.tcm_high),
-            busy_cycles={u: int(v) for u, v in busy.items()},
-            stall_cycles={k: int(v) for k, v in sorted(self.stall.items())},
-            peak_power_mw=float(pr.power_mw.max()) if end_time > 0 else 0.0,
-            peak_power_demand_mw=float(pr.demand_mw.max()) if end_time > 0 else 0.0,
-            avg_power_mw=energy_mw_cycles / total if total else 0.0,
-            energy_uj=energy_mw_cycles / spec.clock_mhz * 1e-3,
+            busy_cycles={u: int(round(self.busy.get(u, 0))) for u in self.emu.units},
+            stall_cycles={k: int(round(v)) for k, v in sorted(self.stall.items())},
+            peak_power_mw=summary["peak_power_mw"],
+            peak_power_demand_mw=summary["peak_power_demand_mw"],
+            avg_power_mw=summary["avg_power_mw"],
+            energy_uj=summary["energy_uj"],
+            energy_uj_by={k: v / mhz * 1e-3 for k, v in by.items()},
             macs=int(self.macs),
             commands=len(self.program.commands),
             commands_skipped=int(self.skipped),
             launches=int(self.launches),
             profile=self.emu.profile.name,
         )
-        starts = np.concatenate([[0.0], np.cumsum(pr.duration_cycles)[:-1]])
-        return RunResult(outputs, counters, trace, pr.power_mw, starts)
+        return RunResult(outputs, counters, self.trace, power, starts - self.t0)

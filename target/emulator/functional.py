@@ -128,6 +128,11 @@ def vector(cmd: Vector, tcm: np.ndarray, params) -> None:
         r = np.where(keep, x, _F32(-np.inf))
     else:  # validated before execution
         raise AssertionError(op)
-    if np.issubdtype(dst.dtype, np.integer) and r.dtype.kind == "f":
-        r = np.rint(r)
+    if np.issubdtype(dst.dtype, np.integer):
+        # integer destinations saturate, as NPU ALUs do (no wrap-around): round to
+        # nearest even, then clip to the type's range
+        info = np.iinfo(dst.dtype)
+        r = np.asarray(r)
+        r = np.rint(r.astype(np.float64)) if r.dtype.kind == "f" else r.astype(np.int64)
+        r = np.clip(r, info.min, info.max)
     dst[...] = r

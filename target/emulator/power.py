@@ -1,73 +1,139 @@
-"""Power model: activity-weighted power per window, and DVFS throttling to a budget.
+"""Power model: what the NPU draws from moment to moment, the governor that throttles it,
+and the windowed figures reported.
 
-Demand: in every window of ``spec.power_window_cycles`` cycles (tumbling windows from
-cycle 0; the last one may be shorter), the average power is
+Power drawn at time ``t`` (mW, piecewise constant between simulation events):
 
-    P = power_static_mw + sum over units of power_unit_mw[unit] * busy_cycles_in_window / window
+    P(t) = power_static_mw
+         + sum over busy compute units u of power_unit_mw[u] * s(t) ** dvfs_exponent
+         + dram_pj_per_byte * (bytes the DRAM bus moves per cycle at t) * clock_mhz / 1000
+         + (TCM pJ per byte * bytes each busy command reads or writes in the TCM, spread
+            over its work) * clock_mhz / 1000
 
-(each busy DMA channel draws ``power_unit_mw["dma"]``). Throttling (the profile's rule, see
-:class:`~edgetvm.target.spec.PowerProfile`): a window with ``P > budget`` runs at clock scale
-``s = ((budget - static) / (P - static)) ** (1 / dvfs_exponent)``, so it lasts ``1 / s``
-times longer and draws exactly the budget. The emulator first schedules at full clock, then
-stretches each window; total cycles, the trace and the energy use the stretched timeline.
-Deterministic by construction.
+(the host CPU is not throttled: its power does not scale). ``s(t)`` is the NPU clock
+scale the governor sets. The DRAM term is the bus at full rate whenever any transfer
+moves bytes; a DMA channel that sets up or waits for the bus draws nothing beyond static.
+
+Governor (DVFS): at every multiple of ``dvfs_interval_cycles`` it takes the averages over
+the last ``power_window_cycles`` of the total power ``P_w`` and of the compute units'
+power at nominal clock ``N_w`` (their ``power_unit_mw`` times their busy share of the
+window), and sets for the next interval
+
+    s = clamp(((budget_mw - (P_w - U_w)) / N_w) ** (1 / dvfs_exponent), MIN_SCALE, 1)
+
+where ``U_w`` is the units' actual (scaled) power in the window: the other terms (static,
+DRAM, TCM, host) do not follow the NPU clock. Time before a timeline starts counts as idle
+(static power only). A budget below the part that does not scale cannot be met: the
+governor holds ``MIN_SCALE`` and the windows stay over budget.
+
+Reported: the peak of the sliding ``power_window_cycles`` average over the run, the same
+at nominal clock (``peak_power_demand_mw``), average power, energy and its parts, and a
+power trace of one average per DVFS interval.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_right
 
 import numpy as np
 
+#: the lowest clock scale the governor sets
+MIN_SCALE = 0.125
 
-@dataclass
-class PowerReport:
-    window_cycles: int
-    demand_mw: np.ndarray        # per window, at full clock
-    power_mw: np.ndarray         # per window, after throttling
-    duration_cycles: np.ndarray  # per window, after throttling
-    boundaries: np.ndarray       # window starts at full clock, plus the end
+
+class PowerLog:
+    """Cumulative energies at the simulation's breakpoints (mW x cycles).
+
+    Channels: ``total`` (everything drawn), ``units`` (compute units at their actual
+    scale), ``nominal`` (the compute units at nominal clock, for the governor and the
+    demand figure), and per-source parts for the energy breakdown."""
+
+    PARTS = ("static", "units", "dram", "tcm", "host")
+
+    def __init__(self, static_mw: float, t0: float = 0.0):
+        self.static_mw = static_mw
+        self.t = [t0]
+        self.total = [0.0]
+        self.units = [0.0]
+        self.nominal = [0.0]
+        self.parts = {k: 0.0 for k in self.PARTS}
 
     @property
-    def total_cycles(self) -> float:
-        return float(self.duration_cycles.sum())
+    def end(self) -> float:
+        return self.t[-1]
 
-    def stretch(self, t):
-        """Map full-clock cycle(s) ``t`` onto the throttled timeline."""
-        stretched = np.concatenate([[0.0], np.cumsum(self.duration_cycles)])
-        return np.interp(t, self.boundaries, stretched)
+    def add(self, t1: float, parts: dict, nominal_mw: float) -> None:
+        """Append the segment [end, t1) during which the draw is constant."""
+        dt = t1 - self.t[-1]
+        if dt <= 0:
+            return
+        total = sum(parts.values())
+        self.t.append(t1)
+        self.total.append(self.total[-1] + total * dt)
+        self.units.append(self.units[-1] + parts["units"] * dt)
+        self.nominal.append(self.nominal[-1] + nominal_mw * dt)
+        for k, v in parts.items():
+            self.parts[k] += v * dt
+
+    def _at(self, series, t: float) -> float:
+        """Cumulative value of ``series`` at time ``t`` (static power before the start)."""
+        if t <= self.t[0]:
+            return (t - self.t[0]) * (self.static_mw if series is self.total else 0.0)
+        k = bisect_right(self.t, t) - 1
+        if k >= len(self.t) - 1:
+            return series[-1]
+        t0, t1 = self.t[k], self.t[k + 1]
+        return series[k] + (series[k + 1] - series[k]) * (t - t0) / (t1 - t0)
+
+    def window(self, t: float, w: float) -> tuple:
+        """Averages over [t - w, t) of (total, units, nominal units) power."""
+        return tuple((self._at(s, t) - self._at(s, t - w)) / w
+                     for s in (self.total, self.units, self.nominal))
+
+    def _arrays(self, w: float) -> tuple:
+        """Breakpoints and cumulative series as arrays, extended one window before the
+        start with idle (static) power, for ``np.interp``."""
+        t = np.asarray(self.t)
+        t = np.concatenate([[t[0] - w], t])
+        total = np.concatenate([[-w * self.static_mw], self.total])
+        units = np.concatenate([[0.0], self.units])
+        nominal = np.concatenate([[0.0], self.nominal])
+        return t, total, units, nominal
+
+    def peaks(self, start: float, end: float, w: float) -> tuple:
+        """(peak total, peak demand at nominal clock) of the sliding window average over
+        windows ending in [start, end]: the maxima of a moving average of a piecewise
+        constant signal are at window ends on breakpoints or a window after them."""
+        if end <= start:
+            return self.static_mw, self.static_mw
+        t, total, units, nominal = self._arrays(w)
+        ends = np.concatenate([t, t + w, [start, end]])
+        ends = ends[(ends >= start) & (ends <= end)]
+        lo = np.maximum(ends - w, t[0])
+        win = {}
+        for name, series in (("total", total), ("units", units), ("nominal", nominal)):
+            win[name] = np.interp(ends, t, series) - np.interp(lo, t, series)
+        demand = win["total"] - win["units"] + win["nominal"]
+        return float(win["total"].max()) / w, float(demand.max()) / w
+
+    def energy(self, start: float, end: float) -> float:
+        return self._at(self.total, end) - self._at(self.total, start)
+
+    def trace(self, start: float, end: float, step: float) -> tuple:
+        """(start times, average power) per ``step`` from ``start`` to ``end``."""
+        if end <= start:
+            return np.zeros(0), np.zeros(0)
+        edges = np.append(np.arange(start, end, step), end)
+        t, total, _, _ = self._arrays(step)
+        cum = np.interp(edges, t, total)
+        return edges[:-1], np.diff(cum) / np.diff(edges)
 
 
-def busy_in_windows(starts: np.ndarray, ends: np.ndarray, boundaries: np.ndarray) -> np.ndarray:
-    """Busy cycles of non-overlapping, sorted intervals inside each [b_k, b_k+1)."""
-    if len(starts) == 0:
-        return np.zeros(len(boundaries) - 1)
-    dur = ends - starts
-    prefix = np.concatenate([[0.0], np.cumsum(dur)])
-    # cumulative busy time up to each boundary b: full intervals ending <= b, plus the
-    # running part of the interval that contains b
-    done = np.searchsorted(ends, boundaries, side="right")
-    cum = prefix[done]
-    nxt = np.minimum(done, len(starts) - 1)
-    running = (done < len(starts)) & (starts[nxt] < boundaries)
-    cum = cum + np.where(running, boundaries - starts[nxt], 0.0)
-    return np.diff(cum)
-
-
-def power_report(spec, profile, intervals: dict, total_cycles: int) -> PowerReport:
-    """``intervals``: unit name -> (starts, ends) arrays of busy time at full clock."""
-    w = spec.power_window_cycles
-    n = max(1, -(-int(total_cycles) // w))
-    boundaries = np.minimum(np.arange(n + 1, dtype=np.float64) * w, max(total_cycles, 1))
-    lengths = np.diff(boundaries)
-    energy = np.full(n, float(spec.power_static_mw)) * lengths   # mW * cycles
-    for unit, (starts, ends) in intervals.items():
-        kind = "dma" if unit.startswith("dma") else unit
-        energy += spec.power_unit_mw[kind] * busy_in_windows(starts, ends, boundaries)
-    demand = energy / np.maximum(lengths, 1e-12)
-    static = float(spec.power_static_mw)
-    over = demand > profile.budget_mw
-    scale = np.ones(n)
-    scale[over] = ((profile.budget_mw - static) / (demand[over] - static)) \
-        ** (1.0 / profile.dvfs_exponent)
-    power = np.where(over, float(profile.budget_mw), demand)
-    return PowerReport(w, demand, power, lengths / scale, boundaries)
+def governor_scale(log: PowerLog, t: float, spec, profile) -> float:
+    """The clock scale for the DVFS interval starting at ``t`` (module docstring)."""
+    total, units, nominal = log.window(t, spec.power_window_cycles)
+    if nominal <= 0:
+        return 1.0
+    room = profile.budget_mw - (total - units)
+    if room <= 0:
+        return MIN_SCALE
+    scale = (room / nominal) ** (1.0 / profile.dvfs_exponent)
+    return float(min(1.0, max(MIN_SCALE, scale)))

@@ -11,8 +11,8 @@ from collections import Counter
 from edgetvm.errors import InvalidProgramError
 
 from ..host_ops import HOST_OPS
-from ..isa import (DTYPES, VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, End, EventSignal,
-                   EventWait, HostOp, Launch, Mma, Program, TcmRef, Vector)
+from ..isa import (DTYPES, ITEMSIZE, VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, End,
+                   EventSignal, EventWait, HostOp, Launch, Mma, Program, TcmRef, Vector)
 
 UNIT_NAMES = ("matrix", "vector", "host")
 
@@ -72,6 +72,9 @@ def _check_tcm(ref, program, spec, what):
         _fail(f"{what}: row stride {ref.stride} < cols {ref.shape[1]}")
     if ref.offset < 0:
         _fail(f"out-of-bounds TCM access: {what} starts at byte {ref.offset}")
+    if ref.offset % ITEMSIZE[ref.dtype]:
+        _fail(f"misaligned TCM access: {what} starts at byte {ref.offset}, not a multiple of "
+              f"its {ref.dtype} element size {ITEMSIZE[ref.dtype]}")
     if ref.end > spec.tcm_bytes:
         _fail(f"TCM overflow: {what} touches bytes up to {ref.end}, {spec.name} has "
               f"{spec.tcm_bytes} bytes of TCM")
@@ -80,9 +83,12 @@ def _check_tcm(ref, program, spec, what):
               f"program's declared TCM footprint of {program.tcm_bytes} bytes")
 
 
-def check_dram_bounds(ref: DramRef, decl, offset: int, what: str) -> None:
+def check_dram_bounds(ref: DramRef, decl, offset: int, what: str, rows: int | None = None) -> None:
+    """The elements the window's first ``rows`` rows (all if None) cover are in the tensor:
+    what moves is checked, not the window a ``valid_rows`` DMA does not fill."""
     size = _numel(decl.shape)
-    last = offset + (ref.shape[0] - 1) * ref.row_stride + ref.shape[1]
+    rows = ref.shape[0] if rows is None else rows
+    last = offset + (rows - 1) * ref.row_stride + ref.shape[1]
     if offset < 0 or last > size:
         raise InvalidProgramError(
             f"out-of-bounds DRAM access: {what} covers elements [{offset}, {last}) of tensor "
@@ -96,7 +102,7 @@ def _numel(shape):
     return n
 
 
-def _check_dram(ref, program, what):
+def _check_dram(ref, program, what, rows=None):
     if not isinstance(ref, DramRef):
         _fail(f"{what} must be a DramRef, got {type(ref).__name__}")
     decl = program.tensors.get(ref.tensor)
@@ -108,8 +114,8 @@ def _check_dram(ref, program, what):
         unknown = [n for n in ref.offset.names() if n not in program.params]
         if unknown:
             _fail(f"{what}: offset uses undeclared runtime parameter(s) {unknown}")
-    else:
-        check_dram_bounds(ref, decl, ref.offset, what)
+    elif rows is not None:        # a runtime valid_rows: checked when the DMA runs
+        check_dram_bounds(ref, decl, ref.offset, what, rows)
     return decl
 
 
@@ -129,7 +135,10 @@ def _check_command(cmd, program, spec):
                   f"{spec.dma_channels})")
         tcm, dram = (cmd.dst, cmd.src) if isinstance(cmd, DmaLoad) else (cmd.src, cmd.dst)
         _check_tcm(tcm, program, spec, "TCM operand")
-        decl = _check_dram(dram, program, "DRAM operand")
+        vr = cmd.valid_rows
+        rows = tcm.shape[0] if vr is None else (min(max(vr, 0), tcm.shape[0])
+                                                 if isinstance(vr, int) else None)
+        decl = _check_dram(dram, program, "DRAM operand", rows)
         if decl.dtype != tcm.dtype:
             _fail(f"DMA copies bytes: DRAM tensor {dram.tensor!r} is {decl.dtype}, TCM operand "
                   f"is {tcm.dtype}")
@@ -219,11 +228,33 @@ def _check_vector(cmd, program, spec):
 
 
 def _check_events(program):
+    """The event protocol (``isa.py``): an event links one signalling unit to one waiting
+    unit, and is never waited on more often than it is signalled.
+
+    With one signaller and one waiter, the k-th wait in the waiter's program order consumes
+    the k-th signal in the signaller's program order whatever the timing, so the order an
+    event establishes, and the race check built on it, never depends on timing."""
     signals = Counter()
     for cmd in program.commands:
         signals.update(cmd.signal)
+    signallers: dict = {}
+    waiters: dict = {}
     waits = Counter()
     for i, cmd in enumerate(program.commands):
+        for e in set(cmd.signal):
+            first = signallers.setdefault(e, (cmd.unit, i))
+            if first[0] != cmd.unit:
+                raise InvalidProgramError(
+                    f"{command_name(cmd)} on {cmd.unit} signals event {e}, which command "
+                    f"{first[1]} on {first[0]} signals too: an event has one signalling unit "
+                    "(use one event per unit)", i)
+        for e in set(cmd.wait):
+            first = waiters.setdefault(e, (cmd.unit, i))
+            if first[0] != cmd.unit:
+                raise InvalidProgramError(
+                    f"{command_name(cmd)} on {cmd.unit} waits on event {e}, which command "
+                    f"{first[1]} on {first[0]} waits on too: an event has one waiting unit "
+                    "(signal one event per waiting unit)", i)
         waits.update(cmd.wait)
         for e in set(cmd.wait):
             if waits[e] > signals[e]:

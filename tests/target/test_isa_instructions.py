@@ -29,17 +29,25 @@ def ceil_div(a, b):
 
 
 def dma_cycles(spec, nbytes):
-    return spec.dma_setup_cycles + math.ceil(nbytes / spec.dram_bytes_per_cycle)
+    """A lone contiguous transfer from the start of a tensor: set-up, then whole bursts."""
+    bursts = ceil_div(nbytes, spec.dram_burst_bytes)
+    return spec.dma_setup_cycles + math.ceil(bursts * spec.dram_burst_bytes /
+                                             spec.dram_bytes_per_cycle)
 
 
 def mma_cycles(spec, m, n, k, kind):
+    """Issue latency plus padded native tiles (W4A16: or the dequantiser, if slower)."""
     tm, tn, tk = spec.mma_tile
     tiles = ceil_div(m, tm) * ceil_div(n, tn) * ceil_div(k, tk)
-    return ceil_div(tiles * tm * tn * tk, spec.mma_macs_per_cycle[kind])
+    macs = ceil_div(tiles * tm * tn * tk, spec.mma_macs_per_cycle[kind])
+    if kind == "w4a16":
+        macs = max(macs, ceil_div(n * k, spec.w4a16_dequant_weights_per_cycle))
+    return spec.mma_issue_cycles + macs
 
 
-def vector_cycles(spec, op, elems):
-    return ceil_div(elems, spec.vector_lanes) * spec.vector_op_cycles[op]
+def vector_cycles(spec, op, rows, cols):
+    """Every row takes whole passes of the lanes."""
+    return rows * ceil_div(cols, spec.vector_lanes) * spec.vector_op_cycles[op]
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -198,9 +206,9 @@ def test_mma_fp16(spec):
     y, c = run_mma(spec, a, w, (16, 64))
     np.testing.assert_allclose(y, a.astype(np.float32) @ w.astype(np.float32), **MMA_TOL)
     assert c.macs == 16 * 64 * 64
-    # one native tile: tm * tn * tk MACs at the fp16 rate
-    assert c.busy_cycles["matrix"] == spec.mma_tile[0] * spec.mma_tile[1] * spec.mma_tile[2] \
-        // spec.mma_macs_per_cycle["fp16"]
+    # one native tile: tm * tn * tk MACs at the fp16 rate, plus the issue latency
+    assert c.busy_cycles["matrix"] == spec.mma_issue_cycles + spec.mma_tile[0] * \
+        spec.mma_tile[1] * spec.mma_tile[2] // spec.mma_macs_per_cycle["fp16"] == 16 + 32
 
 
 def test_mma_accumulate(spec):
@@ -233,7 +241,7 @@ def test_mma_non_native_shape_5x70x48(spec):
     np.testing.assert_allclose(y, a.astype(np.float32) @ w.astype(np.float32), **MMA_TOL)
     # padded to ceil(5/16) x ceil(70/64) x ceil(48/64) = 1 x 2 x 1 native tiles
     assert c.busy_cycles["matrix"] == mma_cycles(spec, 5, 70, 48, "fp16") == \
-        2 * 16 * 64 * 64 // spec.mma_macs_per_cycle["fp16"]
+        spec.mma_issue_cycles + 2 * 16 * 64 * 64 // spec.mma_macs_per_cycle["fp16"]
     assert c.macs == 5 * 70 * 48
 
 
@@ -280,6 +288,17 @@ def test_mma_w4a16(spec, group, explicit_zeros):
     assert c.busy_cycles["matrix"] == mma_cycles(spec, m, n, k, "w4a16")
 
 
+def test_mma_w4a16_waits_for_a_slow_dequantiser(spec):
+    # with a dequantiser slower than the MACs, the MMA takes N * K / its rate (+ issue)
+    slow = spec.replace(w4a16_dequant_weights_per_cycle=16)
+    m, n, k = 1, 64, 128
+    a = RNG.standard_normal((m, k)).astype(np.float16)
+    packed = pack_w4(RNG.integers(0, 16, (n, k)))
+    scales = np.ones((n, k // 32), np.float16)
+    _, c = run_mma(slow, a, packed, (m, n), transpose_b=True, scales=scales, group_size=32)
+    assert c.busy_cycles["matrix"] == slow.mma_issue_cycles + n * k // 16 == 16 + 512
+
+
 def test_w4a16_default_zero_point_is_8(spec):
     # all nibbles 8 with the default zero point: every weight is 0
     a = RNG.standard_normal((1, 64)).astype(np.float16)
@@ -313,7 +332,9 @@ def test_vector_binary(spec, op, shape2):
         y, c = run_vector(spec, op, [x, z])
         want = BINARY[op](x, z)
     np.testing.assert_allclose(y, want, **F32)
-    assert c.busy_cycles["vector"] == vector_cycles(spec, op, 8 * 96)
+    # 8 rows of 96: two passes of 64 lanes each
+    assert c.busy_cycles["vector"] == vector_cycles(spec, op, 8, 96) == \
+        8 * 2 * spec.vector_op_cycles[op]
 
 
 def test_vector_binary_fp16_data_path(spec):
@@ -330,7 +351,7 @@ def test_vector_reduce(spec, op, fn):
     x = RNG.standard_normal((6, 200)).astype(np.float32)
     y, c = run_vector(spec, op, [x], dst_shape=(6, 1))
     np.testing.assert_allclose(y, fn(x, axis=1, keepdims=True), rtol=1e-5, atol=1e-5)
-    assert c.busy_cycles["vector"] == vector_cycles(spec, op, 6 * 200)
+    assert c.busy_cycles["vector"] == vector_cycles(spec, op, 6, 200)
 
 
 def test_vector_exp(spec):
@@ -401,7 +422,7 @@ def test_vector_copy(spec):
     x = RNG.integers(-100, 100, (3, 50)).astype(np.int32)
     y, c = run_vector(spec, "copy", [x])
     np.testing.assert_array_equal(y, x)
-    assert c.busy_cycles["vector"] == vector_cycles(spec, "copy", 150)
+    assert c.busy_cycles["vector"] == vector_cycles(spec, "copy", 3, 50)
 
 
 def test_vector_rope_rotate_half(spec):
@@ -451,7 +472,7 @@ def test_when_predicated_off_leaves_data_and_takes_no_time(spec, flag):
     c = r.counters
     np.testing.assert_array_equal(r.outputs["y"], x + 1 if flag else old)
     assert c.commands_skipped == 1 - flag
-    vec = vector_cycles(spec, "add", 4 * 64) if flag else 0
+    vec = vector_cycles(spec, "add", 4, 64) if flag else 0
     assert c.busy_cycles["vector"] == vec
     # the store still waits for the (skipped) vector command's signal: both loads share the
     # bus, the vector op starts event_sync_cycles after the later one, the store likewise
@@ -537,7 +558,7 @@ def test_launch_is_a_barrier_and_costs_launch_cycles(spec):
     c, s, d = r.counters, spec.event_sync_cycles, dma_cycles(spec, 8 * 64 * 4)
     assert c.launches == 1
     kernel1 = d + s + d
-    kernel2 = d + s + vector_cycles(spec, "sub", 8 * 64) + s + d
+    kernel2 = d + s + vector_cycles(spec, "sub", 8, 64) + s + d
     assert c.total_cycles == kernel1 + spec.launch_cycles + kernel2
 
 
@@ -586,3 +607,19 @@ def test_state_persists_across_runs(spec):
     seeded = emu.run(p, {"x": rows[0], "kv": np.ones((4, 64), np.float16)}, {"pos": 2})
     assert (seeded.outputs["cache"][[0, 1, 3]] == 1).all()
     np.testing.assert_array_equal(seeded.outputs["cache"][2], rows[0][0])
+
+
+def test_integer_results_saturate(spec):
+    # NPU ALUs saturate: 100 + 100 in int8 is 127, not -56; out-of-range floats clip to the
+    # int32 range instead of wrapping (or becoming 0)
+    x = np.full((2, 64), 100, np.int8)
+    y, _ = run_vector(spec, "add", [x, x])
+    assert y.dtype == np.int8 and (y == 127).all()
+    y, _ = run_vector(spec, "sub", [-x, x])
+    assert (y == -128).all()
+    f = np.array([[1e10, -1e10, 2.5, -2.5] * 16] * 2, np.float32)
+    y, _ = run_vector(spec, "cast", [f], dst_dtype="int32")
+    info = np.iinfo(np.int32)
+    np.testing.assert_array_equal(y[0, :4], [info.max, info.min, 2, -2])     # half to even
+    y, _ = run_vector(spec, "cast", [f], dst_dtype="int8")
+    np.testing.assert_array_equal(y[0, :4], [127, -128, 2, -2])

@@ -1,168 +1,187 @@
-"""Power model: windowed average power and DVFS throttling, against hand formulas.
-
-The program: one DMA (D cycles on dma0), then ``n_mma`` back-to-back MMAs (C cycles each)
-that start S cycles after it, so the busy intervals are known exactly:
-dma0 ``[0, D)``, matrix ``[D + S, D + S + n_mma * C)``, end of program ``T = D + S + n_mma * C``.
-"""
+"""Power model: energy per byte and per busy cycle, sliding-window power, the DVFS governor,
+against formulas written here from the model's definition (``emulator/power.py``)."""
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
 
 from edgetvm.target.builder import ProgramBuilder
 from edgetvm.target.emulator import Emulator
-from edgetvm.target.isa import DmaLoad, Mma
+from edgetvm.target.isa import DmaLoad, Mma, Vector
 from edgetvm.target.spec import PowerProfile
 
-WINDOW = 256
 
-
-def build(spec, n_mma=4):
+def mma_stream(spec, n_mma, dma=True):
+    """Optionally one 8 KiB DMA (const weights), then ``n_mma`` back-to-back 64x64x64 MMAs."""
     b = ProgramBuilder("power", spec)
     b.tensor("w", (64, 64), "float16", "const", np.ones((64, 64)))
     a, w, out = b.tcm((64, 64), "float16"), b.tcm((64, 64), "float16"), b.tcm((64, 64), "float32")
     e = b.event()
-    b.emit(DmaLoad(dst=w, src=b.dram("w"), signal=(e,)))
+    if dma:
+        b.emit(DmaLoad(dst=w, src=b.dram("w"), signal=(e,)))
     for k in range(n_mma):
-        b.emit(Mma(out=out, a=a, b=w, wait=(e,) if k == 0 else ()))
+        b.emit(Mma(out=out, a=a, b=w, wait=(e,) if k == 0 and dma else ()))
     return b.build()
 
 
-def timeline(spec, n_mma=4):
-    d = spec.dma_setup_cycles + math.ceil(64 * 64 * 2 / spec.dram_bytes_per_cycle)
-    tm, tn, tk = spec.mma_tile
-    c = (64 // tm) * tm * tn * tk // spec.mma_macs_per_cycle["fp16"]
-    s = spec.event_sync_cycles
-    return d, s, c, d + s + n_mma * c
-
-
-def overlap(a0, a1, b0, b1):
-    return max(0, min(a1, b1) - max(a0, b0))
-
-
-def hand_demand(spec, n_mma=4):
-    """Per-window demand: static + unit power * busy fraction of the window."""
-    d, s, c, total = timeline(spec, n_mma)
-    w = spec.power_window_cycles
-    windows = [(k * w, min((k + 1) * w, total)) for k in range(math.ceil(total / w))]
-    demand = [spec.power_static_mw
-              + spec.power_unit_mw["dma"] * overlap(0, d, w0, w1) / (w1 - w0)
-              + spec.power_unit_mw["matrix"] * overlap(d + s, total, w0, w1) / (w1 - w0)
-              for w0, w1 in windows]
-    return windows, demand, total
-
-
-def with_profile(spec, budget_mw, exponent):
+def power_profile(spec, budget_mw, exponent, window=1000, interval=1000, tcm=True):
     p = PowerProfile("test", budget_mw, exponent)
-    return spec.replace(power_window_cycles=WINDOW, power_profiles={"test": p},
-                        default_profile="test")
+    changes = dict(power_window_cycles=window, dvfs_interval_cycles=interval,
+                   power_profiles={"test": p}, default_profile="test")
+    if not tcm:
+        changes.update(tcm_read_pj_per_byte=0.0, tcm_write_pj_per_byte=0.0)
+    return spec.replace(**changes)
 
 
-def test_windowed_average_power(spec):
-    s = spec.replace(power_window_cycles=WINDOW)
-    r = Emulator(s).run(build(s))
-    windows, demand, total = hand_demand(s)
-    d, sync, c, _ = timeline(s)
-    assert (d, sync, c, total) == (320, 8, 128, 840)
-    assert [w1 - w0 for w0, w1 in windows] == [256, 256, 256, 72]
-    # window 0: dma0 busy all of it; window 1: 64 cycles of DMA, 184 of matrix; then matrix
-    assert demand[0] == pytest.approx(150 + 120)
-    assert demand[1] == pytest.approx(150 + 120 * 64 / 256 + 900 * 184 / 256)
-    assert demand[2] == demand[3] == pytest.approx(150 + 900)
-    c_ = r.counters
-    assert c_.total_cycles == total and c_.throttled_cycles == 0
-    np.testing.assert_allclose(r.power_mw, demand, rtol=1e-12)
-    np.testing.assert_allclose(r.power_window_starts, [w0 for w0, _ in windows])
-    energy = sum(p * (w1 - w0) for p, (w0, w1) in zip(demand, windows))   # mW * cycles
-    assert c_.energy_uj == pytest.approx(energy / s.clock_mhz * 1e-3)
-    assert c_.avg_power_mw == pytest.approx(energy / total)
-    assert c_.peak_power_mw == c_.peak_power_demand_mw == pytest.approx(max(demand))
+def power_curve(spec, n_mma):
+    """The power drawn per cycle (mW) by ``mma_stream`` at full clock, written out: the
+    DMA sets up (static only), moves 8192 B (DRAM + TCM writes), then the MMAs (matrix
+    unit + their TCM reads and writes)."""
+    mhz = spec.clock_mhz / 1000
+    setup, transfer = spec.dma_setup_cycles, 8192 // spec.dram_bytes_per_cycle
+    c = spec.mma_issue_cycles + 4 * 16 * 64 * 64 // spec.mma_macs_per_cycle["fp16"]
+    sync = spec.event_sync_cycles
+    dma_mw = (spec.dram_bytes_per_cycle * spec.dram_pj_per_byte
+              + 8192 * spec.tcm_write_pj_per_byte / transfer) * mhz
+    mma_pj = 2 * 8192 * spec.tcm_read_pj_per_byte + 16384 * spec.tcm_write_pj_per_byte
+    mma_mw = spec.power_unit_mw["matrix"] + mma_pj / c * mhz
+    curve = [spec.power_static_mw] * setup
+    curve += [spec.power_static_mw + dma_mw] * transfer
+    curve += [spec.power_static_mw] * sync
+    curve += [spec.power_static_mw + mma_mw] * (n_mma * c)
+    return np.asarray(curve), c
 
 
-def test_two_busy_dma_channels_each_draw_power(spec):
-    s = spec.replace(power_window_cycles=10_000)
-    b = ProgramBuilder("two_dma", s)
-    b.tensor("x", (64, 64), "float16", "const", np.ones((64, 64)))
-    for ch in (0, 1):
-        b.emit(DmaLoad(dst=b.tcm((64, 64), "float16"), src=b.dram("x"), channel=ch))
-    c = Emulator(s).run(b.build()).counters
-    setup, bus = s.dma_setup_cycles, 64 * 64 * 2 // s.dram_bytes_per_cycle
-    total = setup + 2 * bus
-    busy = (setup + bus) + (setup + 2 * bus)    # dma1 is busy while it waits for the bus
-    assert c.total_cycles == total
-    assert c.peak_power_demand_mw == pytest.approx(s.power_static_mw
-                                                   + s.power_unit_mw["dma"] * busy / total)
+def sliding_peak(curve, static, window):
+    """Max over every window end (cycle granularity) of the average over the last
+    ``window`` cycles, idle (static) before the start."""
+    padded = np.concatenate([np.full(window, static), curve])
+    cum = np.concatenate([[0.0], np.cumsum(padded)])
+    ends = np.arange(window, len(padded) + 1)
+    return float(((cum[ends] - cum[ends - window]) / window).max())
 
 
-def test_throttling_with_linear_dvfs(spec):
-    """dvfs_exponent 1: a window of demand P > budget lasts (P - static) / (budget - static)
-    times longer and draws exactly the budget."""
-    budget = 700.0
-    s = with_profile(spec, budget, 1.0)
-    r = Emulator(s).run(build(s), trace=True)
-    windows, demand, total = hand_demand(s)
-    static = s.power_static_mw
-    durations = [(w1 - w0) * ((p - static) / (budget - static) if p > budget else 1.0)
-                 for p, (w0, w1) in zip(demand, windows)]
-    # windows 1-3 are over budget (826.9 and 1050 mW), window 0 (270 mW) is not
-    assert [p > budget for p in demand] == [False, True, True, True]
-    stretched = 256 + 256 * (demand[1] - 150) / 550 + (256 + 72) * 900 / 550
-    assert sum(durations) == pytest.approx(stretched)
-    c = r.counters
-    assert c.total_cycles == math.ceil(sum(durations))
-    assert c.unthrottled_cycles == total
-    assert c.throttled_cycles == c.total_cycles - total > 0
-    assert c.peak_power_mw == pytest.approx(budget) and c.peak_power_mw <= budget
-    assert c.peak_power_demand_mw == pytest.approx(150 + 900)
-    power = [min(p, budget) for p in demand]
-    energy = sum(p * t for p, t in zip(power, durations))
+def test_energy_and_power_without_throttling(spec):
+    s = spec.replace(power_window_cycles=256)
+    r = Emulator(s).run(mma_stream(s, 4))
+    curve, c = power_curve(s, 4)
+    cnt = r.counters
+    assert (c, cnt.total_cycles) == (144, len(curve)) == (144, 64 + 256 + 8 + 4 * 144)
+    energy = curve.sum()                                       # mW x cycles
+    assert cnt.energy_uj == pytest.approx(energy / s.clock_mhz * 1e-3)
+    assert cnt.avg_power_mw == pytest.approx(energy / len(curve))
+    assert cnt.peak_power_mw == pytest.approx(sliding_peak(curve, s.power_static_mw, 256))
+    assert cnt.peak_power_demand_mw == pytest.approx(cnt.peak_power_mw)
+    assert cnt.throttled_cycles == 0 and cnt.min_clock_scale == 1.0
+    # the parts: DRAM per byte moved, TCM per byte read / written, the unit per busy cycle
+    by = cnt.energy_uj_by
+    to_uj = 1e-6
+    assert by["dram"] == pytest.approx(8192 * s.dram_pj_per_byte * to_uj)
+    tcm_pj = 8192 * s.tcm_write_pj_per_byte + 4 * (16384 * s.tcm_read_pj_per_byte +
+                                                   16384 * s.tcm_write_pj_per_byte)
+    assert by["tcm"] == pytest.approx(tcm_pj * to_uj)
+    assert by["units"] == pytest.approx(4 * c * s.power_unit_mw["matrix"] / s.clock_mhz * 1e-3)
+    assert by["static"] == pytest.approx(len(curve) * s.power_static_mw / s.clock_mhz * 1e-3)
+    assert (cnt.tcm_read_bytes, cnt.tcm_write_bytes) == (4 * 16384, 8192 + 4 * 16384)
+    # the power trace: one average per DVFS interval, covering the run's energy
+    starts, power = r.power_window_starts, r.power_mw
+    assert starts[0] == 0
+    widths = np.diff(np.append(starts, cnt.total_cycles))
+    assert float((power * widths).sum()) == pytest.approx(energy)
+
+
+def test_dram_energy_is_per_byte_not_per_waiting_channel(spec):
+    # two 8 KiB loads on two channels sharing the bus, and the same loads on one channel:
+    # the same bytes, the same DRAM energy; only static energy follows the time taken
+    runs = []
+    for channels in ((0, 1), (0, 0)):
+        b = ProgramBuilder("loads", spec)
+        b.tensor("x", (64, 64), "float16", "const", np.ones((64, 64)))
+        for ch in channels:
+            b.emit(DmaLoad(dst=b.tcm((64, 64), "float16"), src=b.dram("x"), channel=ch))
+        runs.append(Emulator(spec).run(b.build()).counters)
+    shared, serial = runs
+    assert shared.total_cycles == 64 + 512 and serial.total_cycles == 2 * (64 + 256)
+    for c in runs:
+        assert c.energy_uj_by["dram"] == pytest.approx(16384 * spec.dram_pj_per_byte * 1e-6)
+        assert c.energy_uj_by["tcm"] == pytest.approx(16384 * spec.tcm_write_pj_per_byte * 1e-6)
+        assert c.energy_uj_by["units"] == 0
+
+
+def test_governor_settles_on_the_budget_linear_dvfs(spec):
+    # matrix work only, no TCM energy: 1050 mW at full clock. The governor first acts at
+    # cycle 1000 (window [0, 1000): 1050 mW) and sets s = (600 - 150) / 900 = 0.5, which
+    # holds the window at 600 mW: the remaining work runs at half speed
+    s = power_profile(spec, 600, 1.0, tcm=False)
+    c = Emulator(s).run(mma_stream(s, 50, dma=False)).counters
+    work = 50 * 144
+    assert c.total_cycles == 1000 + 2 * (work - 1000) == 13400
+    assert c.throttled_cycles == 12400 and c.min_clock_scale == pytest.approx(0.5)
+    assert c.peak_power_mw == pytest.approx(1050)              # before the governor reacted
+    assert c.peak_power_demand_mw == pytest.approx(1050)
+    energy = 150 * 13400 + 900 * 1000 + 450 * 12400
     assert c.energy_uj == pytest.approx(energy / s.clock_mhz * 1e-3)
-    np.testing.assert_allclose(r.power_mw, power)
-    # the trace is on the stretched timeline: the last MMA ends at the stretched end
-    assert max(e.end for e in r.trace) == pytest.approx(sum(durations))
-    # the DMA ends 64 cycles into window 1, which runs (P1 - static) / (budget - static) slower
-    assert r.trace[0].end == pytest.approx(256 + 64 * (demand[1] - static) / (budget - static))
 
 
-def test_throttling_under_the_low_battery_profile(spec):
-    s = spec.replace(power_window_cycles=WINDOW)
-    emu = Emulator(s, profile="low-battery")
-    prof = s.power_profiles["low-battery"]
-    assert (prof.budget_mw, prof.dvfs_exponent) == (700, 3.0)
-    c = emu.run(build(s)).counters
-    windows, demand, total = hand_demand(s)
-    static = s.power_static_mw
-    scale = [((prof.budget_mw - static) / (p - static)) ** (1 / 3) if p > prof.budget_mw else 1
-             for p in demand]
-    durations = [(w1 - w0) / k for k, (w0, w1) in zip(scale, windows)]
-    assert c.profile == "low-battery"
-    assert c.total_cycles == math.ceil(sum(durations))
-    assert c.throttled_cycles == c.total_cycles - total > 0
-    assert c.peak_power_mw == pytest.approx(prof.budget_mw) and c.peak_power_mw <= prof.budget_mw
-    assert c.peak_power_demand_mw == pytest.approx(static + s.power_unit_mw["matrix"])
-    energy = sum(min(p, prof.budget_mw) * t for p, t in zip(demand, durations))
-    assert c.energy_uj == pytest.approx(energy / s.clock_mhz * 1e-3)
-    # the cube root: throttling costs less time than with linear DVFS
-    linear = Emulator(with_profile(spec, prof.budget_mw, 1.0)).run(build(s)).counters
-    assert total < c.total_cycles < linear.total_cycles
+def test_governor_with_cubic_dvfs_spends_less_time(spec):
+    s = power_profile(spec, 600, 3.0, tcm=False)
+    c = Emulator(s).run(mma_stream(s, 50, dma=False)).counters
+    scale = (450 / 900) ** (1 / 3)
+    assert c.min_clock_scale == pytest.approx(scale)
+    assert c.total_cycles == int(np.ceil(1000 + (50 * 144 - 1000) / scale - 1e-9))
+    linear = Emulator(power_profile(spec, 600, 1.0, tcm=False)).run(
+        mma_stream(s, 50, dma=False)).counters
+    assert 50 * 144 < c.total_cycles < linear.total_cycles
 
 
-def test_performance_profile_does_not_throttle(spec):
-    s = spec.replace(power_window_cycles=WINDOW)
-    c = Emulator(s, profile="performance").run(build(s)).counters
-    _, demand, total = hand_demand(s)
-    assert max(demand) < s.power_profiles["performance"].budget_mw
-    assert c.total_cycles == c.unthrottled_cycles == total
-    assert c.throttled_cycles == 0
-    assert c.peak_power_mw == c.peak_power_demand_mw == pytest.approx(max(demand))
+def test_a_short_burst_is_not_stretched(spec):
+    # the governor acts at interval boundaries, not per command: one MMA in the first
+    # interval runs at full clock whatever the budget
+    s = power_profile(spec, 200, 1.0, window=10_000, interval=10_000)
+    c = Emulator(s).run(mma_stream(s, 1, dma=False)).counters
+    assert c.total_cycles == 144 and c.throttled_cycles == 0
 
 
-def test_balanced_profile_throttles_only_long_matrix_windows(spec):
-    # default 10 000-cycle window: a 100-MMA run is mostly matrix-busy
-    c = Emulator(spec, profile="balanced").run(build(spec, n_mma=100)).counters
-    windows, demand, total = hand_demand(spec, n_mma=100)
-    budget = spec.power_profiles["balanced"].budget_mw
-    assert len(windows) == 2 and max(demand) < budget   # 1050 mW < 1200 mW
-    assert c.throttled_cycles == 0 and c.total_cycles == total
+def test_peak_power_does_not_depend_on_where_a_burst_starts(spec):
+    # the same 1050 mW burst of 6 MMAs after idle gaps of different lengths (a vector op
+    # drawing no power): the sliding window sees the burst whole wherever it starts
+    s = power_profile(spec, 5000, 1.0, window=1000, interval=1000, tcm=False)
+    s = s.replace(power_unit_mw={**s.power_unit_mw, "vector": 0.0})
+    peaks = []
+    for gap in (0, 300, 700):
+        b = ProgramBuilder("burst", s)
+        a, w, out = b.tcm((64, 64), "float16"), b.tcm((64, 64), "float16"), \
+            b.tcm((64, 64), "float32")
+        wait = ()
+        if gap:
+            e = b.event()
+            src, dst = b.tcm((gap, 1), "float32"), b.tcm((gap, 1), "float32")
+            b.emit(Vector(op="copy", dst=dst, srcs=(src,), signal=(e,)))   # gap cycles
+            wait = (e,)
+        for k in range(6):
+            b.emit(Mma(out=out, a=a, b=w, wait=wait if k == 0 else ()))
+        c = Emulator(s).run(b.build()).counters
+        assert c.total_cycles == gap + (s.event_sync_cycles if gap else 0) + 6 * 144
+        peaks.append(c.peak_power_mw)
+    # 864 busy cycles at 1050 mW in a 1000-cycle window: 150 + 900 * 0.864
+    assert peaks == pytest.approx([150 + 900 * 0.864] * 3)
+
+
+def test_dvfs_slows_compute_not_dram(spec):
+    # a long DMA at the lowest clock: its bus time does not stretch, only its set-up
+    s = power_profile(spec, 151, 1.0, window=100, interval=100, tcm=False)
+    b = ProgramBuilder("dma_under_throttle", s)
+    b.tensor("w", (4096, 64), "float16", "const", np.ones((4096, 64)))
+    a, w, out = b.tcm((64, 64), "float16"), b.tcm((64, 64), "float16"), b.tcm((64, 64), "float32")
+    for _ in range(4):                           # 4 x 144 cycles of matrix work first ...
+        b.emit(Mma(out=out, a=a, b=w))
+    big = b.tcm((4096, 64), "float16")
+    b.emit(DmaLoad(dst=big, src=b.dram("w")))    # ... while the DMA runs beside them
+    r = Emulator(s).run(b.build(), trace=True)
+    dma = next(e for e in r.trace if e.unit == "dma0")
+    # the governor holds the lowest clock from cycle 100 on (DRAM alone is over budget):
+    # the MMAs slow down, the 524288 bytes still take 16384 cycles at 32 B/cycle
+    assert r.counters.min_clock_scale == pytest.approx(0.125)
+    mma_end = max(e.end for e in r.trace if e.unit == "matrix")
+    assert mma_end == pytest.approx(100 + (4 * 144 - 100) / 0.125)
+    assert dma.end - dma.start == pytest.approx(64 + 16384)

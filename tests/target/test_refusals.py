@@ -406,3 +406,100 @@ def test_broadcast_dram_row_stride_0_race_is_caught(spec):
     b.emit(DmaStore(dst=DramRef("kv", (1, 64), 64, 64), src=u, channel=1))
     refused(spec, b.build(), index=1, match="race: DmaStore overwrites DRAM tensor 'kv' bytes "
                                             r"\[256, 512\) that command 0")
+
+
+# -- the event protocol: no timing decides which signal a wait consumes ----------------------
+def _two_signaller_program(spec, vec_rows, n=None):
+    """A DMA (writes T) and a vector op (writes U) both signal event e; an MMA reads T
+    waiting on e once. Whether the DMA's signal is the one consumed would depend on which
+    finishes first: the vector op's length, or the DMA's valid_rows."""
+    b = ProgramBuilder("two_signallers", spec)
+    b.tensor("x", (64, 64), "float16", "const", np.ones((64, 64)))
+    rows = b.param("n") if n is not None else None
+    t = b.tcm((64, 64), "float16")
+    src, dst = b.tcm((vec_rows, 64), "float32"), b.tcm((vec_rows, 64), "float32")
+    out = b.tcm((64, 64), "float32")
+    e = b.event()
+    b.emit(DmaLoad(dst=t, src=b.dram("x"), valid_rows=rows, signal=(e,)))
+    b.emit(Vector(op="copy", dst=dst, srcs=(src,), signal=(e,)))
+    b.emit(Mma(out=out, a=t, b=t, wait=(e,)))
+    return b.build()
+
+
+@pytest.mark.parametrize("vec_rows", [1, 256])
+def test_an_event_signalled_from_two_units_is_refused(spec, vec_rows):
+    refused(spec, _two_signaller_program(spec, vec_rows), index=1,
+            match="signals event 0, which command 0 on dma0 signals too")
+
+
+@pytest.mark.parametrize("n", [64, 4096 // 64])
+def test_two_signallers_refused_whatever_the_runtime_rows(spec, n):
+    refused(spec, _two_signaller_program(spec, 1, n=n), params={"n": n}, index=1,
+            match="one signalling unit")
+
+
+@pytest.mark.parametrize("mma_first", [False, True])
+def test_an_event_waited_on_from_two_units_is_refused(spec, mma_first):
+    # one channel loads T1 then T2, both signalling e; a vector op reads T1, an MMA reads
+    # T2, each waiting once: which wait gets which signal would depend on timing
+    b = ProgramBuilder("two_waiters", spec)
+    b.tensor("x", (64, 64), "float16", "const", np.ones((64, 64)))
+    t1, t2 = b.tcm((64, 64), "float16"), b.tcm((64, 64), "float16")
+    out, v = b.tcm((64, 64), "float32"), b.tcm((64, 64), "float32")
+    e = b.event()
+    b.emit(DmaLoad(dst=t1, src=b.dram("x"), signal=(e,)))
+    b.emit(DmaLoad(dst=t2, src=b.dram("x"), signal=(e,)))
+    waits = [Vector(op="cast", dst=v, srcs=(t1,), wait=(e,)), Mma(out=out, a=t2, b=t2, wait=(e,))]
+    for cmd in (waits[::-1] if mma_first else waits):
+        b.emit(cmd)
+    refused(spec, b.build(), index=3, match="waits on event 0, which command 2 on .* waits "
+                                            "on too")
+
+
+def test_misaligned_tcm_operand_is_refused(spec):
+    b = loader(spec)
+    b.emit(DmaLoad(dst=TcmRef(3, (64, 64), "float16"), src=b.dram("x")))
+    refused(spec, b.build(tcm_bytes=1 << 20), index=0,
+            match="misaligned TCM access: TCM operand starts at byte 3")
+
+
+def _partial_window(spec, runtime, valid):
+    """An 8-row window from row 4 of a 10-row tensor that moves ``valid`` rows (a runtime
+    parameter or a constant)."""
+    b = ProgramBuilder("partial", spec)
+    rows = b.param("n") if runtime else valid
+    b.tensor("x", (10, 64), "float16", "input")
+    b.tensor("y", (8, 64), "float16", "output")
+    t = b.tcm((8, 64), "float16")
+    e = b.event()
+    b.emit(DmaLoad(dst=t, src=b.dram("x", row0=4, rows=8), valid_rows=rows, signal=(e,)))
+    b.emit(DmaStore(dst=b.dram("y"), src=t, wait=(e,)))
+    return b.build()
+
+
+@pytest.mark.parametrize("runtime", [False, True])
+def test_bounds_are_checked_on_the_rows_that_move(spec, runtime):
+    x = np.arange(640, dtype=np.float16).reshape(10, 64)
+    for valid, ok in ((6, True), (7, False)):
+        params = {"n": valid} if runtime else {}
+        program = _partial_window(spec, runtime, valid)
+        if ok:      # rows 4..9: the last two rows of the window do not move
+            y = Emulator(spec).run(program, {"x": x}, params).outputs["y"]
+            np.testing.assert_array_equal(y[:6], x[4:10])
+        else:
+            refused(spec, program, {"x": x}, params, index=0, match="out-of-bounds DRAM")
+
+
+def test_a_program_edited_in_place_is_checked_again(spec):
+    b = loader(spec)
+    t = b.tcm((64, 64), "float16")
+    b.emit(DmaLoad(dst=t, src=b.dram("x")))
+    p = b.build()
+    emu = Emulator(spec)
+    emu.run(p)
+    # replace the load by one that reads past the tensor: the cached plan must not be used
+    p.commands[0] = DmaLoad(dst=t, src=DramRef("x", (64, 64), 64, 64))
+    with pytest.raises(InvalidProgramError, match="out-of-bounds DRAM"):
+        emu.run(p)
+    p.commands[0] = DmaLoad(dst=t, src=DramRef("x", (64, 64), 64, 0))
+    assert emu.run(p).counters.dram_read_bytes == 8192

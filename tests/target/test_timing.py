@@ -1,7 +1,10 @@
 """Timing model: every expected cycle count is worked out by hand from the spec's figures.
 
-Notation in the comments: D = one DMA (setup + ceil(bytes / bus bytes per cycle)),
-C = one MMA (padded native tiles * tile MACs / MACs per cycle), S = event_sync_cycles.
+Notation in the comments: D = one DMA alone (setup + its bursts' bytes / bus bytes per
+cycle), C = one MMA (issue latency + padded native tiles * tile MACs / MACs per cycle),
+S = event_sync_cycles. The 16 MB preset: 64 setup, 32 B/cycle bus, 64 B bursts, 16 issue
+cycles, 2048 fp16 MACs/cycle on (16, 64, 64) tiles, S = 8. Transfers on the bus together
+share it equally (each k-th of the bandwidth while k are on it).
 """
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ def ceil_div(a, b):
 
 
 def bus(spec, nbytes):
-    """Cycles a transfer occupies the DRAM bus."""
-    return math.ceil(nbytes / spec.dram_bytes_per_cycle)
+    """Cycles a contiguous, burst-aligned transfer alone takes on the DRAM bus."""
+    bursts = ceil_div(nbytes, spec.dram_burst_bytes)
+    return math.ceil(bursts * spec.dram_burst_bytes / spec.dram_bytes_per_cycle)
 
 
 def dma(spec, nbytes):
@@ -31,7 +35,7 @@ def dma(spec, nbytes):
 def mma(spec, m, n, k, kind="fp16"):
     tm, tn, tk = spec.mma_tile
     tiles = ceil_div(m, tm) * ceil_div(n, tn) * ceil_div(k, tk)
-    return ceil_div(tiles * tm * tn * tk, spec.mma_macs_per_cycle[kind])
+    return spec.mma_issue_cycles + ceil_div(tiles * tm * tn * tk, spec.mma_macs_per_cycle[kind])
 
 
 def one_load(spec, shape, dtype, channel=0):
@@ -41,18 +45,49 @@ def one_load(spec, shape, dtype, channel=0):
     return b
 
 
-def test_lone_dma_is_setup_plus_bytes_over_bandwidth(spec):
-    shape = (3, 11)                      # 132 bytes: not a multiple of the bus width
+def test_lone_dma_is_setup_plus_bursts_over_bandwidth(spec):
+    shape = (3, 11)                      # 132 bytes: 3 bursts of 64
     nbytes = 3 * 11 * 4
-    assert nbytes % spec.dram_bytes_per_cycle
     b = one_load(spec, shape, "float32")
     r = Emulator(spec).run(b.build(), {"x": np.ones(shape, np.float32)})
     c = r.counters
-    assert c.total_cycles == spec.dma_setup_cycles + ceil_div(nbytes, spec.dram_bytes_per_cycle)
-    assert c.total_cycles == 64 + 5        # the 16 MB preset: 64 setup, 32 B/cycle
+    assert c.total_cycles == spec.dma_setup_cycles + 3 * 64 // spec.dram_bytes_per_cycle
+    assert c.total_cycles == 64 + 6
     assert c.busy_cycles["dma0"] == c.total_cycles
     assert c.dram_read_bytes == nbytes and c.dram_write_bytes == 0
+    assert c.dram_bus_bytes == 192
     assert c.time_us == pytest.approx(c.total_cycles / spec.clock_mhz)
+
+
+def _column_load(spec, rows, row_stride_elems, col0=0):
+    """One fp16 element per row, rows ``row_stride_elems`` apart in DRAM."""
+    b = ProgramBuilder("column", spec)
+    b.tensor("x", (rows, row_stride_elems), "float16", "input")
+    b.emit(DmaLoad(dst=b.tcm((rows, 1), "float16"), src=b.dram("x", col0=col0, cols=1)))
+    return b.build(), {"x": np.ones((rows, row_stride_elems), np.float16)}
+
+
+def test_narrow_strided_transfer_pays_a_burst_per_row(spec):
+    # 1024 rows of one fp16 element, 2 KB apart: 1024 bursts (65536 bus bytes), where 2 KB
+    # in one piece is 32 bursts
+    program, x = _column_load(spec, 1024, 1024)
+    c = Emulator(spec).run(program, x).counters
+    assert c.dram_read_bytes == 2048 and c.dram_bus_bytes == 1024 * 64
+    assert c.total_cycles == spec.dma_setup_cycles + 1024 * 64 // 32 == 64 + 2048
+    contiguous = one_load(spec, (1, 1024), "float16").build()
+    c1 = Emulator(spec).run(contiguous, {"x": np.ones((1, 1024), np.float16)}).counters
+    assert c1.dram_bus_bytes == 2048 and c1.total_cycles == 64 + 64
+
+
+def test_runs_that_straddle_bursts_pay_for_both(spec):
+    # rows of 64 bytes 80 bytes apart: a row starting at byte 80 * r covers bytes
+    # [80 r, 80 r + 64): rows 0, 4, 8, ... start on a burst (1 burst), the others straddle
+    # two bursts: 4 rows -> 1 + 2 + 2 + 2 = 7 bursts
+    b = ProgramBuilder("straddle", spec)
+    b.tensor("x", (4, 20), "float32", "input")
+    b.emit(DmaLoad(dst=b.tcm((4, 16), "float32"), src=b.dram("x", cols=16)))
+    c = Emulator(spec).run(b.build(), {"x": np.ones((4, 20), np.float32)}).counters
+    assert c.dram_bus_bytes == 7 * 64 and c.dram_read_bytes == 4 * 64
 
 
 @pytest.mark.parametrize("preset", ["edge-npu-4mb", "edge-npu-32mb"])
@@ -71,17 +106,19 @@ def test_two_channels_share_the_dram_bus(spec):
     b.tensor("w", (128, 64), "float16", "input")
     b.emit(DmaLoad(dst=b.tcm((64, 64), "float16"), src=b.dram("x"), channel=0))
     b.emit(DmaLoad(dst=b.tcm((128, 64), "float16"), src=b.dram("w"), channel=1))
-    r = Emulator(spec).run(b.build(), {"x": np.ones((64, 64)), "w": np.ones((128, 64))},
-                           trace=True)
+    r = Emulator(spec).run(b.build(), {"x": np.ones((64, 64), np.float16),
+                                       "w": np.ones((128, 64), np.float16)}, trace=True)
     c = r.counters
-    bx, bw = bus(spec, 64 * 64 * 2), bus(spec, 128 * 64 * 2)
-    # both channels set up in parallel; the second transfer queues behind the first on the bus
+    bx, bw = bus(spec, 64 * 64 * 2), bus(spec, 128 * 64 * 2)      # 256, 512 alone
+    # both channels set up in parallel, then share the bus: x's 8192 bytes at 16 B/cycle
+    # take 512 cycles; w then has 8192 left, alone at 32 B/cycle: 256 more
     setup = spec.dma_setup_cycles
     assert [(e.unit, e.start, e.end) for e in r.trace] == [
-        ("dma0", 0, setup + bx), ("dma1", 0, setup + bx + bw)]
+        ("dma0", 0, setup + 2 * bx), ("dma1", 0, setup + bx + bw)] == [
+        ("dma0", 0, 576), ("dma1", 0, 832)]
     assert c.total_cycles == setup + bx + bw
-    assert c.stall_cycles["dram_bus"] == bx
-    assert c.busy_cycles == {"dma0": setup + bx, "dma1": setup + bx + bw, "matrix": 0,
+    assert c.stall_cycles["dram_bus"] == (2 * bx - bx) + (bx + bw - bw)     # beyond alone
+    assert c.busy_cycles == {"dma0": setup + 2 * bx, "dma1": setup + bx + bw, "matrix": 0,
                              "vector": 0, "host": 0}
     # one channel: the setups serialise as well
     b1 = ProgramBuilder("two_loads_one_channel", spec)
@@ -89,9 +126,26 @@ def test_two_channels_share_the_dram_bus(spec):
     b1.tensor("w", (128, 64), "float16", "input")
     b1.emit(DmaLoad(dst=b1.tcm((64, 64), "float16"), src=b1.dram("x")))
     b1.emit(DmaLoad(dst=b1.tcm((128, 64), "float16"), src=b1.dram("w")))
-    c1 = Emulator(spec).run(b1.build(), {"x": np.ones((64, 64)), "w": np.ones((128, 64))}).counters
+    c1 = Emulator(spec).run(b1.build(), {"x": np.ones((64, 64), np.float16),
+                                         "w": np.ones((128, 64), np.float16)}).counters
     assert c1.total_cycles == 2 * setup + bx + bw
     assert c1.stall_cycles.get("dram_bus", 0) == 0
+
+
+def test_a_prefetch_does_not_starve_a_short_load(spec):
+    # a 512 KB prefetch and a 1 KB load issued together on the two channels: the bus
+    # serves them round robin, so the 1 KB moves at half the bandwidth (64 cycles after
+    # set-up) instead of waiting for the whole prefetch (16,384 cycles)
+    b = ProgramBuilder("prefetch", spec)
+    b.tensor("w", (4096, 64), "float16", "input")       # 512 KiB
+    b.tensor("x", (8, 64), "float16", "input")          # 1 KiB
+    b.emit(DmaLoad(dst=b.tcm((4096, 64), "float16"), src=b.dram("w"), channel=1))
+    b.emit(DmaLoad(dst=b.tcm((8, 64), "float16"), src=b.dram("x"), channel=0))
+    r = Emulator(spec).run(b.build(), {"w": np.ones((4096, 64), np.float16),
+                                       "x": np.ones((8, 64), np.float16)}, trace=True)
+    ev = {e.unit: (e.start, e.end) for e in r.trace}
+    assert ev["dma0"] == (0, 64 + 1024 // 16) == (0, 128)       # 96 alone
+    assert ev["dma1"] == (0, 64 + (512 * 1024 + 1024) // 32)     # the bus never idles
 
 
 def test_dma_overlaps_mma(spec):
@@ -113,25 +167,28 @@ def test_dma_overlaps_mma(spec):
     r = Emulator(spec).run(b.build(), trace=True)
     np.testing.assert_array_equal(r.outputs["y"], np.full((64, 64), 128.0))
     setup, s = spec.dma_setup_cycles, spec.event_sync_cycles
-    ba, bt = bus(spec, 64 * 128 * 2), bus(spec, 64 * 64 * 2)
-    c = mma(spec, 64, 64, 64)
-    # bus order: A (dma1, index 0), tile 0, tile 1 (dma0 sets tile 1 up after tile 0)
-    a_end = setup + ba
-    t0_end = a_end + bt
-    t1_end = t0_end + setup + bt        # a channel sets up its next transfer after the last
-    m0_start = t0_end + s
+    c = mma(spec, 64, 64, 64)                                   # 16 + 128
+    # A (16384 B, dma1) and tile 0 (8192 B, dma0) set up together and share the bus from
+    # cycle 64: tile 0 is done after 8192 / 16 = 512 cycles, A has 8192 B left
+    t0_end = setup + 8192 // 16                                 # 576
+    # dma0 sets tile 1 up (64 cycles) while A has the bus alone: 2048 B more, 6144 left;
+    # then they share: A's 6144 B at 16 B/cycle, tile 1 the same, its last 2048 alone
+    t1_on_bus = t0_end + setup                                  # 640
+    a_end = t1_on_bus + 6144 // 16                              # 1024
+    t1_end = a_end + 2048 // 32                                 # 1088
+    m0_start = max(a_end, t0_end) + s
     m0_end = m0_start + c
     m1_start = max(m0_end, t1_end + s)
     ev = {(e.unit, e.index): (e.start, e.end) for e in r.trace}
     assert ev[("dma1", 0)] == (0, a_end)
     assert ev[("dma0", 1)] == (0, t0_end)
     assert ev[("dma0", 2)] == (t0_end, t1_end)
-    assert ev[("matrix", 3)] == (m0_start, m0_end)
+    assert ev[("matrix", 3)] == (m0_start, m0_end) == (1032, 1176)
     assert ev[("matrix", 4)] == (m1_start, m1_start + c)
     # the overlap itself: tile 1 is on the bus while the MMA of tile 0 runs
     assert ev[("dma0", 2)][0] < m0_start < ev[("dma0", 2)][1]
     store = dma(spec, 64 * 64 * 4)
-    assert r.counters.total_cycles == m1_start + c + s + store
+    assert r.counters.total_cycles == m1_start + c + s + store == 1904
 
 
 @pytest.mark.parametrize("bound, m", [("transfer", 64), ("compute", 256)])
@@ -149,12 +206,12 @@ def test_double_buffered_loop_reaches_max_of_compute_and_transfer(spec, double_b
     if bound == "transfer":
         # DMA k never waits for its buffer's MMA (k-2) when D >= C + 2S: loads run back to
         # back; MMA k starts S after load k ends and ends before load k+1 does.
-        assert d >= c + 2 * s and (d, c) == (320, 128)
+        assert d >= c + 2 * s and (d, c) == (320, 144)
         prologue, epilogue = d_a, s + c + s + d_store
     else:
         # MMA k starts as MMA k-1 ends when C >= D + 2S: the load of tile k (waiting S after
         # MMA k-2) is done S before MMA k-1 ends.
-        assert c >= d + 2 * s and (d, c) == (320, 512)
+        assert c >= d + 2 * s and (d, c) == (320, 528)
         prologue, epilogue = d_a + d + s, s + d_store
     assert r.counters.total_cycles == prologue + steps * max(c, d) + epilogue
     # steady state: one MMA every max(C, D) cycles
@@ -236,19 +293,21 @@ def test_busy_and_stall_counters(spec):
     b.emit(DmaLoad(dst=tb, src=b.dram("B"), channel=1, signal=(e1,)))
     b.emit(Mma(out=tc, a=ta, b=tb, wait=(e0, e1), signal=(e2,)))
     b.emit(DmaStore(dst=b.dram("C"), src=tc, wait=(e2,)))
-    c = Emulator(spec).run(b.build(), {"A": np.ones((64, 128))}).counters
+    c = Emulator(spec).run(b.build(), {"A": np.ones((64, 128), np.float16)}).counters
     setup, s = spec.dma_setup_cycles, spec.event_sync_cycles
     ba, bb, bc = bus(spec, 64 * 128 * 2), bus(spec, 128 * 64 * 2), bus(spec, 64 * 64 * 4)
-    cm = mma(spec, 64, 64, 128)
-    a_end, b_end = setup + ba, setup + ba + bb
+    cm = mma(spec, 64, 64, 128)                                 # 16 + 8 tiles * 32
+    # A and B (16384 B each) share the bus from cycle 64: both end at 64 + 32768 / 32
+    a_end = b_end = setup + ba + bb
     m_start = b_end + s
     st_start = m_start + cm + s
     assert c.busy_cycles == {"dma0": a_end + setup + bc, "dma1": b_end, "matrix": cm,
                              "vector": 0, "host": 0}
-    # matrix idles from 0 until B's event; dma0 from the end of A until the MMA's event;
-    # dma1 waits on the bus while dma0 moves A
-    assert c.stall_cycles == {"dram_bus": ba, "wait_dma": m_start, "wait_matrix": st_start - a_end}
-    assert c.total_cycles == st_start + setup + bc
+    # matrix idles from 0 until the loads' events; dma0 from the end of A until the MMA's
+    # event; each load took twice as long on the bus as it would alone
+    assert c.stall_cycles == {"dram_bus": ba + bb, "wait_dma": m_start,
+                              "wait_matrix": st_start - a_end}
+    assert c.total_cycles == st_start + setup + bc == 1952
     assert c.macs == 64 * 64 * 128
     assert (c.dram_read_bytes, c.dram_write_bytes) == (64 * 128 * 2 * 2, 64 * 64 * 4)
     assert c.tcm_high_water_bytes == tc.end == 64 * 128 * 2 * 2 + 64 * 64 * 4
@@ -278,6 +337,29 @@ def test_dram_bytes_count_only_moved_rows_and_both_directions(spec):
     e = b.event()
     b.emit(DmaLoad(dst=t, src=b.dram("x"), valid_rows=n, signal=(e,)))
     b.emit(DmaStore(dst=b.dram("y"), src=t, valid_rows=n + 2, wait=(e,)))
-    c = Emulator(spec).run(b.build(), {"x": np.ones((16, 64))}, {"n": 5}).counters
+    c = Emulator(spec).run(b.build(), {"x": np.ones((16, 64), np.float16)}, {"n": 5}).counters
     assert (c.dram_read_bytes, c.dram_write_bytes) == (5 * 128, 7 * 128)
     assert c.total_cycles == dma(spec, 5 * 128) + spec.event_sync_cycles + dma(spec, 7 * 128)
+
+
+def test_vector_ops_cost_lane_passes_per_row(spec):
+    # a (576, 1) column: one element per row, 576 passes (not 576 / 64 = 9)
+    b = ProgramBuilder("column_op", spec)
+    b.tensor("x", (576, 1), "float32", "input")
+    t, u = b.tcm((576, 1), "float32"), b.tcm((576, 1), "float32")
+    e = b.event()
+    b.emit(DmaLoad(dst=t, src=b.dram("x"), signal=(e,)))
+    b.emit(Vector(op="exp", dst=u, srcs=(t,), wait=(e,)))
+    c = Emulator(spec).run(b.build(), {"x": np.zeros((576, 1), np.float32)}).counters
+    assert c.busy_cycles["vector"] == 576 * spec.vector_op_cycles["exp"]
+
+
+def test_every_mma_pays_its_issue_latency(spec):
+    # 64 MMAs of one native tile each: 64 * (16 + 32), not 64 * 32
+    b = ProgramBuilder("tiny_mmas", spec)
+    a, w = b.tcm((16, 64), "float16"), b.tcm((64, 64), "float16")
+    out = b.tcm((16, 64), "float32")
+    for k in range(64):
+        b.emit(Mma(out=out, a=a, b=w, accumulate=k > 0))
+    c = Emulator(spec).run(b.build()).counters
+    assert c.busy_cycles["matrix"] == 64 * (spec.mma_issue_cycles + 32) == c.total_cycles

@@ -32,7 +32,7 @@ def program(spec):
 
 
 def test_chrome_trace_has_one_event_per_executed_command(spec):
-    s = spec.replace(power_window_cycles=500)
+    s = spec.replace(dvfs_interval_cycles=500)
     r = Emulator(s).run(program(s), params={"on": 0}, trace=True)
     np.testing.assert_array_equal(r.outputs["y"], np.full((16, 64), 32.0))
     t = chrome_trace(r, s)
@@ -54,7 +54,7 @@ def test_chrome_trace_has_one_event_per_executed_command(spec):
     launch = xs[4]
     assert launch["dur"] == s.launch_cycles / s.clock_mhz
     counters = [ev for ev in t["traceEvents"] if ev["ph"] == "C"]
-    windows = -(-r.counters.total_cycles // s.power_window_cycles)
+    windows = -(-r.counters.total_cycles // s.dvfs_interval_cycles)   # one per interval
     assert len(counters) == windows == len(r.power_mw)
     assert [c["args"]["mW"] for c in counters] == r.power_mw.tolist()
     assert [c["ts"] for c in counters] == [k * 500 / s.clock_mhz for k in range(windows)]

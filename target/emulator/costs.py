@@ -1,0 +1,92 @@
+"""What each command costs: cycles on its unit, bursts on the DRAM bus, bytes in the TCM.
+
+Every formula of the timing model that depends on one command alone is here (the shared
+DRAM bus and the clock are the simulation's, ``device.py`` and ``power.py``):
+
+* MMA: ``mma_issue_cycles + ceil(tiles * tm * tn * tk / macs_per_cycle[kind])`` with the
+  operands padded to whole native tiles ``(tm, tn, tk)``; a W4A16 MMA dequantises its
+  ``N * K`` weights on the fly, overlapped with the MACs, so its MAC term is
+  ``max(MAC cycles, ceil(N * K / w4a16_dequant_weights_per_cycle))``.
+* Vector op: ``rows * ceil(cols / vector_lanes) * vector_op_cycles[op]``: each row of the
+  larger operand takes whole passes of the lanes (a (576, 1) column op is 576 passes).
+* Host op: ``host_switch_cycles + ceil(flops / host_flops_per_cycle)``, on the CPU's clock.
+* DMA: ``dma_setup_cycles`` on its channel, then its bursts on the shared bus: every
+  contiguous run of bytes (the whole window if its rows are adjacent in DRAM, else each
+  row) moves as whole ``dram_burst_bytes`` bursts, from the burst its first byte is in to
+  the burst its last byte is in.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..isa import ITEMSIZE, DmaLoad, HostOp, Mma, TcmRef, Vector
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def mma_cycles(cmd: Mma, spec) -> int:
+    m, n, k = cmd.mnk
+    tm, tn, tk = spec.mma_tile
+    tiles = _cdiv(m, tm) * _cdiv(n, tn) * _cdiv(k, tk)
+    macs = _cdiv(tiles * tm * tn * tk, spec.mma_macs_per_cycle[cmd.kind])
+    if cmd.kind == "w4a16":
+        macs = max(macs, _cdiv(n * k, spec.w4a16_dequant_weights_per_cycle))
+    return spec.mma_issue_cycles + macs
+
+
+def vector_cycles(cmd: Vector, spec) -> int:
+    passes = max(r * _cdiv(c, spec.vector_lanes) for r, c in (cmd.dst.shape, cmd.srcs[0].shape))
+    return passes * spec.vector_op_cycles[cmd.op]
+
+
+def command_cycles(cmd, spec) -> int:
+    """Cycles a non-DMA command occupies its unit (0 for events and control)."""
+    if isinstance(cmd, Mma):
+        return mma_cycles(cmd, spec)
+    if isinstance(cmd, Vector):
+        return vector_cycles(cmd, spec)
+    if isinstance(cmd, HostOp):
+        return spec.host_switch_cycles + _cdiv(cmd.flops, max(1, int(spec.host_flops_per_cycle)))
+    return 0
+
+
+def dram_bursts(offset_bytes: int, rows: int, row_bytes: int, stride_bytes: int,
+                burst: int) -> int:
+    """Bursts a DMA of ``rows`` rows of ``row_bytes``, ``stride_bytes`` apart, moves."""
+    if rows <= 0 or row_bytes <= 0:
+        return 0
+    if rows == 1 or stride_bytes == row_bytes:           # one contiguous run
+        end = offset_bytes + rows * row_bytes
+        return _cdiv(end, burst) - offset_bytes // burst
+    if stride_bytes % burst == 0:                        # every row starts alike
+        return rows * (_cdiv(offset_bytes % burst + row_bytes, burst))
+    starts = offset_bytes + np.arange(rows, dtype=np.int64) * stride_bytes
+    return int(np.sum(-(-(starts + row_bytes) // burst) - starts // burst))
+
+
+def tcm_bytes(ref: TcmRef, rows: int | None = None) -> int:
+    """Bytes an operand (its first ``rows`` rows) touches in the TCM."""
+    r = ref.shape[0] if rows is None else rows
+    return r * ref.shape[1] * ITEMSIZE[ref.dtype]
+
+
+def tcm_traffic(cmd) -> tuple:
+    """(bytes read, bytes written) in the TCM by a compute command."""
+    if isinstance(cmd, Mma):
+        reads = [cmd.a, cmd.b] + [r for r in (cmd.scales, cmd.zeros) if r is not None]
+        if cmd.accumulate:
+            reads.append(cmd.out)
+        return sum(map(tcm_bytes, reads)), tcm_bytes(cmd.out)
+    if isinstance(cmd, Vector):
+        return sum(map(tcm_bytes, cmd.srcs)), tcm_bytes(cmd.dst)
+    return 0, 0
+
+
+def dma_tcm_traffic(cmd, rows: int) -> tuple:
+    """(TCM bytes read, written) by a DMA of ``rows`` rows: a load writes the TCM, a store
+    reads it."""
+    if isinstance(cmd, DmaLoad):
+        return 0, tcm_bytes(cmd.dst, rows)
+    return tcm_bytes(cmd.src, rows), 0
