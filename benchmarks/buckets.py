@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import dataclasses
-import json
 import sys
 import time
 
@@ -28,6 +27,7 @@ from edgetvm.buckets import (AnalyticLatency, BucketInputError, equal_width_buck
                              evaluate_buckets, evaluate_chunked, heavy_tailed_lengths,
                              load_histogram, load_latency_table, optimise_buckets,
                              power_of_two_buckets, single_bucket)
+from report import write_json
 
 # EdgeLLM-MLIR, length buckets on its heavy-tailed 128..4096 distribution:
 # (padding %, latency proxy); its latency is an analytical proxy, ours is comparable only
@@ -96,9 +96,7 @@ def main(argv=None) -> int:
                               source_latency_proxy=src_lat)
                          for r, (src_pad, src_lat) in rows],
                    notes=notes)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, out)
     return 0
 
 

@@ -24,7 +24,6 @@ second and simulated cycles per wall second.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from edgetvm.target.builder import ProgramBuilder
 from edgetvm.target.emulator import Emulator
 from edgetvm.target.isa import DmaLoad, DmaStore, DramRef, EventWait, Mma, TcmRef, Vector
 from edgetvm.target.spec import load_spec
+from report import write_json
 
 TILE = 64
 F16, F32 = np.float16, np.float32
@@ -432,8 +432,7 @@ def main(argv=None):
     print(f"decode layer: {decode['wall_s_median']:.3f} s median wall, {verdict} the "
           f"< {DECODE_TARGET_S} s target")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"spec": spec.name, "quick": args.quick, "rows": rows}, f, indent=1)
+        write_json(args.json, {"spec": spec.name, "quick": args.quick, "rows": rows})
     return 0
 
 

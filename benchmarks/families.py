@@ -21,7 +21,6 @@ Exits 1 if a family's ids differ from onnxruntime's or its logits are out of tol
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter
@@ -33,6 +32,7 @@ from edgetvm.generate import KVSpec, greedy, onnxruntime_runner, tokens_of
 from edgetvm.inspect import inspect_model
 from edgetvm.run import compare_logits
 from edgetvm.session import NPUSession
+from report import write_json
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox")
@@ -94,9 +94,7 @@ def main(argv=None) -> int:
         if not (r["token_exact"] and r["logits_ok"]):
             wrong.append(r["model"])
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"tokens": tokens, "prompt": PROMPT, "rows": rows}, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, {"tokens": tokens, "prompt": PROMPT, "rows": rows})
     if wrong:
         print("WRONG ANSWER (ids or logits differ from onnxruntime): " + ", ".join(wrong),
               file=sys.stderr)

@@ -15,7 +15,6 @@ and the model's prefill latency is that times the layer count.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -28,6 +27,7 @@ from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules.attention import ATTENTION_LOWERING, schedule_prefill_attention
 from edgetvm.tir_schedules.fused import FusionCluster, Stage, mlp_cluster, norm_qkv_rope_cluster
 from edgetvm.tir_schedules.kv_cache import KV_APPEND_LOWERING, KVCacheLayout, schedule_kv_append
+from report import write_json
 
 SMOLLM2 = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, mlp=1536, layers=30, group=32)
 
@@ -111,14 +111,12 @@ def main(argv=None) -> int:
         print(f"{n:>7} {r['layer_cycles']:>13} {r['model_ms']:>9.2f} {r['wall_s']:>7}  "
               f"{r['by_kernel']}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, {"spec": spec.name, "rows": rows})
     if args.latency_json:
-        with open(args.latency_json, "w") as f:
-            json.dump({"unit": "cycles", "source": f"benchmarks/prefill_latency.py on "
-                       f"{spec.name} (SmolLM2-135M, {SMOLLM2['layers']} layers)",
-                       "points": [[r["length"], r["model_cycles"]] for r in rows]}, f, indent=1)
-        print(f"wrote {args.latency_json}")
+        write_json(args.latency_json, {
+            "unit": "cycles", "source": f"benchmarks/prefill_latency.py on {spec.name} "
+            f"(SmolLM2-135M, {SMOLLM2['layers']} layers)",
+            "points": [[r["length"], r["model_cycles"]] for r in rows]})
     return 0
 
 

@@ -15,7 +15,6 @@ each server pins its math library to one thread so they do not oversubscribe the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -29,6 +28,7 @@ from edgetvm.runner import RunJob, TrackerRunner
 from edgetvm.target.builder import ProgramBuilder
 from edgetvm.target.isa import DmaLoad, DmaStore, Mma
 from edgetvm.target.spec import load_spec
+from report import write_json
 
 SPEC = load_spec("edge-npu-16mb")
 KEY = "edgetvm-bench"
@@ -142,10 +142,8 @@ def main(argv=None) -> int:
     speedup = rows[1]["jobs_per_s"] / rows[0]["jobs_per_s"]
     print(f"throughput with {args.servers} servers / 1 server: {speedup:.2f}x")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "speedup": round(speedup, 3), "cpus": os.cpu_count()},
-                      f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, {"rows": rows, "speedup": round(speedup, 3),
+                               "cpus": os.cpu_count()})
     if any(r["wrong_results"] for r in rows):
         print("WRONG RESULT: an output differs from numpy", file=sys.stderr)
         return 1

@@ -53,6 +53,9 @@ class StepRecord:
     dram_read_bytes: int = 0
     dram_write_bytes: int = 0
     energy_uj: float = 0.0
+    avg_power_mw: float = 0.0
+    peak_power_mw: float = 0.0
+    throttled_cycles: int = 0
     logits: np.ndarray | None = field(default=None, repr=False)
 
 
@@ -93,6 +96,8 @@ def greedy(run, kv: KVSpec, prompt, max_new_tokens: int, on_step=None,
         if meter is not None:
             rec.npu_cycles, rec.dram_read_bytes = meter.cycles, meter.dram_read_bytes
             rec.dram_write_bytes, rec.energy_uj = meter.dram_write_bytes, meter.energy_uj
+            rec.avg_power_mw, rec.peak_power_mw = meter.avg_power_mw, meter.peak_power_mw
+            rec.throttled_cycles = meter.throttled_cycles
         records.append(rec)
         if on_step is not None:
             on_step(rec)

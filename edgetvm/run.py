@@ -87,14 +87,16 @@ def main(argv=None) -> int:
         print(f"{len(session.regions)} regions on the NPU; running "
               f"{args.max_new_tokens} step(s)", flush=True)
         print(f"{'step':<5} {'phase':<8} {'token':>7} {'npu_us':>10} {'npu_cycles':>11} "
-              f"{'dram_read_B':>12} {'dram_write_B':>12}")
+              f"{'dram_read_B':>12} {'dram_write_B':>12} {'energy_uJ':>10} {'avg_mW':>7} "
+              f"{'peak_mW':>7} {'throttled':>9}")
 
         def show(rec):
             us = session.spec.cycles_to_us(rec.npu_cycles)
             rec.npu_us = us
             print(f"{len(records_seen):<5} {rec.phase:<8} {rec.token:>7} {us:>10.1f} "
-                  f"{rec.npu_cycles:>11} {rec.dram_read_bytes:>12} {rec.dram_write_bytes:>12}",
-                  flush=True)
+                  f"{rec.npu_cycles:>11} {rec.dram_read_bytes:>12} {rec.dram_write_bytes:>12} "
+                  f"{rec.energy_uj:>10.2f} {rec.avg_power_mw:>7.0f} {rec.peak_power_mw:>7.0f} "
+                  f"{rec.throttled_cycles:>9}", flush=True)
             records_seen.append(rec)
 
         records_seen: list = []

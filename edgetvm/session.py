@@ -52,24 +52,35 @@ HOST = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 
 @dataclass
 class StepMeter:
-    """What the NPU did during one model call: sums over the kernels it ran."""
+    """What the NPU did during one model call. The kernels run one after the other on one
+    emulator timeline, so time, energy and the windowed power (with throttling) are those
+    of the whole step; bytes and per-kind cycles are sums over its kernels."""
 
     cycles: int = 0
     dram_read_bytes: int = 0
     dram_write_bytes: int = 0
     energy_uj: float = 0.0
+    peak_power_mw: float = 0.0
+    avg_power_mw: float = 0.0
+    throttled_cycles: int = 0
     kernels: int = 0
     cycles_by_kind: Counter = field(default_factory=Counter)
     write_bytes_by_kind: Counter = field(default_factory=Counter)
 
     def add(self, kind: str, c) -> None:
-        self.cycles += c.total_cycles
         self.dram_read_bytes += c.dram_read_bytes
         self.dram_write_bytes += c.dram_write_bytes
-        self.energy_uj += c.energy_uj
+        self.throttled_cycles += c.throttled_cycles
         self.kernels += 1
         self.cycles_by_kind[kind] += c.total_cycles
         self.write_bytes_by_kind[kind] += c.dram_write_bytes
+
+    def close(self, timeline) -> "StepMeter":
+        """Take the step's time, energy and power from its timeline."""
+        t = timeline.counters()
+        self.cycles, self.energy_uj = t["total_cycles"], t["energy_uj"]
+        self.peak_power_mw, self.avg_power_mw = t["peak_power_mw"], t["avg_power_mw"]
+        return self
 
 
 class NPUSession:
@@ -100,6 +111,7 @@ class NPUSession:
         self.vm = relax.VirtualMachine(tvm.compile(mod, HOST), tvm.cpu())
         log.info("host code compiled in %.1fs", time.time() - t0)
         self.emu = Emulator(self.spec, profile)
+        self.timeline = self.emu.timeline()
         self.kernels = KernelCache(self.spec)
         self._programs: dict = {}
         self._weights: dict = {}
@@ -145,6 +157,7 @@ class NPUSession:
         """Run the model once; ``feeds`` maps ONNX input names to arrays. Returns the ONNX
         outputs (name -> np.ndarray) and the step's :class:`StepMeter`."""
         self.meter = StepMeter()
+        self.timeline = self.emu.timeline()
         self._attention_calls = 0
         mask = feeds.get("attention_mask")
         if mask is not None and not np.all(mask):
@@ -154,7 +167,8 @@ class NPUSession:
                 self.imported.input_names]
         out = self.vm["main"](*args)
         outs = list(out) if isinstance(out, (tuple, list, tvm_ffi.Array)) else [out]
-        return {n: o.numpy() for n, o in zip(self.imported.output_names, outs)}, self.meter
+        return {n: o.numpy() for n, o in zip(self.imported.output_names, outs)}, \
+            self.meter.close(self.timeline)
 
     def _region_fn(self, region):
         special = {"kv_append": self._kv_append_fn, "rope": self._rope_fn,
@@ -211,7 +225,7 @@ class NPUSession:
                 a = np.concatenate([a, np.zeros((a.shape[0], want[1] - a.shape[1]), a.dtype)],
                                    axis=1)
             feeds[n] = a.astype(np.float16)
-        res = self.emu.run(program, feeds)
+        res = self.timeline.run(program, feeds)
         self.meter.add(region.kind, res.counters)
         return res.outputs["y"]
 
@@ -269,7 +283,7 @@ class NPUSession:
                 program = self._programs[key] = lower_primfunc(
                     sch.mod["main"], self.spec, "embedding", consts=e16, runtime=["ids"])
             params = {f"ids.{i}": int(flat[i]) if i < rows else 0 for i in range(c)}
-            res = self.emu.run(program, {}, params=params)
+            res = self.timeline.run(program, {}, params=params)
             self.meter.add("embedding", res.counters)
             out = res.outputs["out"][:rows].reshape(b, s, hidden).astype(np.float32)
             return tvm.runtime.tensor(out)
@@ -333,7 +347,7 @@ class NPUSession:
         if base is None:
             base = self._programs[key] = build()
         program = self._layer_program(key, base, layer)
-        res = self.emu.run(program, feeds, params=params)
+        res = self.timeline.run(program, feeds, params=params)
         self.meter.add("kv_append", res.counters)
         kv.layer_len[layer] = pos + s
         kv.length = pos + s
@@ -446,7 +460,7 @@ class NPUSession:
             self._programs[key] = base
         program = self._layer_program(key, base, layer)
         params.update(kv.layout.page_table_params(kv.page_table, pages))
-        res = self.emu.run(program, feeds, params=params)
+        res = self.timeline.run(program, feeds, params=params)
         self.meter.add("attention", res.counters)
         return res.outputs["out"][:s] if s > 1 else res.outputs["out"][None]
 

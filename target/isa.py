@@ -5,10 +5,16 @@ A program is a flat list of commands. Each command runs on one unit (``dma0``..`
 synchronise only through events. Every command carries:
 
 ``wait``
-    event ids it waits on before starting. Events are counting semaphores: a wait
-    consumes one signal of the event (the earliest not yet consumed).
+    event ids it waits on before starting (an id listed twice waits for two signals).
 ``signal``
     event ids it signals when it completes.
+
+Events: an event is a counting semaphore from ONE signalling unit to ONE waiting unit
+(commands on other units may not signal or wait on it; the validator refuses programs that
+do). The k-th wait on the event, in the waiting unit's program order, consumes the k-th
+signal, in the signalling unit's program order, and orders the waiting command after the
+signalling command and everything before it on its unit. So which signal a wait consumes,
+and with it every happens-before relation the race check uses, never depends on timing.
 ``when``
     optional predicate: an :class:`Affine` of runtime parameters; the command executes iff
     its value is > 0. A predicated-off command moves no data and takes no cycles, but still
@@ -51,6 +57,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Union
 
 import numpy as np
+
+from .spec import EMULATOR_MODEL_VERSION
 
 #: element types the ISA knows (numpy names)
 DTYPES = ("float16", "float32", "int8", "int32", "uint8")
@@ -328,6 +336,8 @@ class Program:
     tcm_bytes: int = 0          # declared TCM footprint (the allocator's high-water mark)
     spec_hash: str = ""
     metadata: dict = field(default_factory=dict)
+    #: the emulator model (timing, power) the program was written and measured under
+    emulator_model: int = EMULATOR_MODEL_VERSION
 
     def tensors_of(self, kind: str) -> list:
         return [t for t in self.tensors.values() if t.kind == kind]

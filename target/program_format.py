@@ -5,8 +5,8 @@ Layout (little endian)::
     magic      8 bytes   b"EDGENPU\\0"
     version    u32       FORMAT_VERSION
     json_len   u64
-    json       json_len bytes, UTF-8: {"name", "params", "tcm_bytes", "spec_hash",
-               "metadata", "tensors": [{name, shape, dtype, kind, data_offset?,
+    json       json_len bytes, UTF-8: {"name", "params", "emulator_model", "tcm_bytes",
+               "spec_hash", "metadata", "tensors": [{name, shape, dtype, kind, data_offset?,
                data_nbytes?}], "commands": [{"command": <command type>, <fields>}]}
     blob_len   u64
     blob       const tensor data, each at its data_offset (C order)
@@ -16,6 +16,9 @@ Operands encode as ``{"tcm": [offset, rows, cols, dtype, row_stride]}`` and
 ``{"dram": [tensor, rows, cols, row_stride, offset]}``; an affine value as
 ``{"affine": [const, [[param, coef], ...]]}``. Loading another version, a truncated or
 altered file, or something that is not a program raises :class:`ProgramFormatError`.
+``emulator_model`` is the emulator model version the program was written under
+(``Program.emulator_model``, ``spec.EMULATOR_MODEL_VERSION`` for a new program; files
+without it predate the field: model 1).
 """
 from __future__ import annotations
 
@@ -83,6 +86,7 @@ def dumps(program: Program) -> bytes:
             d[f.name] = _enc(getattr(c, f.name))
         cmds.append(d)
     header = {"name": program.name, "params": list(program.params),
+              "emulator_model": program.emulator_model,
               "tcm_bytes": program.tcm_bytes, "spec_hash": program.spec_hash,
               "metadata": program.metadata, "tensors": tensors, "commands": cmds}
     js = json.dumps(header, separators=(",", ":")).encode()
@@ -120,7 +124,7 @@ def loads(data: bytes, source: str = "<bytes>") -> Program:
             cls = COMMAND_TYPES[c.pop("command")]
             cmds.append(cls(**{k: _dec(v) for k, v in c.items()}))
         return Program(js["name"], cmds, tensors, tuple(js["params"]), js["tcm_bytes"],
-                       js["spec_hash"], js["metadata"])
+                       js["spec_hash"], js["metadata"], js.get("emulator_model", 1))
     except (KeyError, ValueError, TypeError, json.JSONDecodeError, struct.error) as e:
         raise ProgramFormatError(f"{source}: malformed program: {e}") from None
 

@@ -185,3 +185,21 @@ def test_dvfs_slows_compute_not_dram(spec):
     mma_end = max(e.end for e in r.trace if e.unit == "matrix")
     assert mma_end == pytest.approx(100 + (4 * 144 - 100) / 0.125)
     assert dma.end - dma.start == pytest.approx(64 + 16384)
+
+
+def test_a_timeline_carries_power_and_clock_across_runs(spec):
+    # two halves of the governed MMA stream, run back to back on one timeline, take as
+    # long as the whole stream in one run: the window and the clock scale carry over
+    s = power_profile(spec, 600, 1.0, tcm=False)
+    whole = Emulator(s).run(mma_stream(s, 50, dma=False)).counters
+    tl = Emulator(s).timeline()
+    first = tl.run(mma_stream(s, 25, dma=False)).counters
+    second = tl.run(mma_stream(s, 25, dma=False)).counters
+    assert first.total_cycles + second.total_cycles == whole.total_cycles == 13400
+    assert second.min_clock_scale == pytest.approx(0.5)
+    assert second.throttled_cycles == second.total_cycles      # throttled from its start
+    # the same second half on a fresh timeline starts at full clock
+    fresh = Emulator(s).run(mma_stream(s, 25, dma=False)).counters
+    assert fresh.total_cycles < second.total_cycles
+    assert tl.counters()["total_cycles"] == whole.total_cycles
+    assert tl.counters()["energy_uj"] == pytest.approx(whole.energy_uj)

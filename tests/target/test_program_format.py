@@ -12,6 +12,7 @@ from edgetvm.target.builder import ProgramBuilder
 from edgetvm.target.emulator import Emulator
 from edgetvm.target.isa import (Affine, DmaLoad, DmaStore, DramRef, EventSignal, EventWait,
                                 HostOp, Launch, Mma, Vector)
+from edgetvm.target.spec import EMULATOR_MODEL_VERSION
 
 
 def rich_program(spec):
@@ -70,6 +71,8 @@ def test_round_trip_in_memory(spec):
     assert q.params == p.params == ("pos", "n")
     assert (q.name, q.tcm_bytes, q.spec_hash, q.metadata) == \
         (p.name, p.tcm_bytes, spec.hash(), {"note": "round trip", "bucket": [1, 2]})
+    # the file records the emulator model it was written under
+    assert q.emulator_model == p.emulator_model == EMULATOR_MODEL_VERSION
     for name, t in p.tensors.items():
         u = q.tensors[name]
         assert (u.shape, u.dtype, u.kind) == (t.shape, t.dtype, t.kind)
