@@ -325,6 +325,7 @@ class _Run:
         self.t0 = clock.now
         self.unit_free = {u: clock.now for u in emu.units}
         self.active: dict = {}                 # unit -> _Activity
+        self._cached = None                    # see _load
         self.signals: dict = {}                # event -> deque of (time, vc, unit)
         self.busy = Counter()
         self.stall = Counter()
@@ -352,7 +353,16 @@ class _Run:
 
     # -- the clock ----------------------------------------------------------------------
     def _transfers(self) -> int:
-        return sum(a.phase == "transfer" for a in self.active.values())
+        return self._load()[0]
+
+    def _load(self) -> tuple:
+        """(transfers on the bus, power parts, nominal unit power) of the current
+        activities; cached until an activity starts, changes phase or ends, or the clock
+        scale changes (``self._cached = None``)."""
+        if self._cached is None:
+            sharers = sum(a.phase == "transfer" for a in self.active.values())
+            self._cached = (sharers,) + self.clock.power_now(self.active, sharers)
+        return self._cached
 
     def _advance(self, t: float) -> None:
         """Move the clock to ``t``: activities progress, power is logged, the governor
@@ -361,8 +371,7 @@ class _Run:
         while clock.now < t - _EPS:
             t1 = min(t, clock.next_dvfs)
             dt = t1 - clock.now
-            sharers = self._transfers()
-            parts, nominal = clock.power_now(self.active, sharers)
+            sharers, parts, nominal = self._load()
             clock.log.add(t1, parts, nominal)
             for act in self.active.values():
                 act.remaining -= act.rate(clock, sharers) * dt
@@ -373,6 +382,7 @@ class _Run:
             clock.now = t1
             if t1 >= clock.next_dvfs - _EPS:
                 clock.scale = governor_scale(clock.log, clock.now, self.spec, self.emu.profile)
+                self._cached = None
                 clock.min_scale = min(clock.min_scale, clock.scale)
                 clock.next_dvfs += self.spec.dvfs_interval_cycles
         clock.now = max(clock.now, t)
@@ -463,9 +473,11 @@ class _Run:
             self._finish(i, unit, now, now, vc)
         else:
             self.active[unit] = act
+            self._cached = None
 
     def _complete(self, act: _Activity) -> None:
         now = self.clock.now
+        self._cached = None
         if act.phase == "setup":
             act.phase, act.remaining, act.work = "transfer", act.bus_bytes, act.bus_bytes
             if act.bus_bytes > 0:
