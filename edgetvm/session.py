@@ -244,8 +244,10 @@ class NPUSession:
             (out_shape,) = result_shapes(region.func, region.runtime_positions, args)
             b, h, s, d = out_shape
             x = value["x"]
-            if x.ndim == 4 and x.shape == (b, h, s, d):
-                x = x.transpose(0, 2, 1, 3)          # heads-major -> (b, s, h, d)
+            if x.ndim == 4:
+                # a 4-D input is heads-major (b, h, s, d): the rotation multiplies it with
+                # cos/sin of shape (.., s, d); a projection output (b, s, h * d) is 3-D
+                x = x.transpose(0, 2, 1, 3)
             x = np.ascontiguousarray(x).reshape(b, s, h, d)
             cos, sin = (np.broadcast_to(np.asarray(value[k], np.float32).reshape(
                 -1, s, rotary), (b, s, rotary)) for k in ("cos", "sin"))
