@@ -244,7 +244,7 @@ def operand_energy(program, spec) -> dict:
         if isinstance(cmd, (DmaLoad, DmaStore)):
             load = isinstance(cmd, DmaLoad)
             tref, dref = (cmd.dst, cmd.src) if load else (cmd.src, cmd.dst)
-            rows = valid_rows(cmd, {})
+            rows = valid_rows(cmd, {})        # these kernels take no runtime parameters
             role = ROLE[dref.tensor]
             add(f"{role}_tcm", tcm_bytes(tref, rows) * (wr if load else rd))
             isz = ITEMSIZE[tref.dtype]         # as the emulator's _dma counts them
@@ -451,6 +451,7 @@ def main(argv=None) -> int:
         rows.append(r)
         if not r["correct"]:
             wrong.append(f"{r['kernel']} {r['shape']} (max rel err {r['max_rel_err']:.1e})")
+            r["verdict"] = "WRONG RESULT; " + r["verdict"]
         e, z = r["emu_uj_by"], r["zz_uj_by"]
         emu_s = (f"{r['emu_dyn_uj']:.2f} = {e['dram']:.2f} + {e['tcm']:.2f} + {e['units']:.2f}"
                  f" (+{e['static']:.2f})")
