@@ -41,8 +41,8 @@ it; the JSON has them all), each measured on the run:
   useful MACs;
 * output buffering: fp32 partial sums in the TCM between K steps and the fp16 cast pass,
   against ZigZag's accumulator registers and its own spills;
-* operand re-reads: ZigZag streams A and B from the TCM for every native tile; the
-  emulator charges an MMA's operands once per command, whatever its size;
+* operand re-reads: the emulator reads ``a`` once per column and ``b`` once per row of
+  native tiles an MMA command spans, ZigZag as often as its mapping's reuse needs;
 * scales (W4A16), DRAM re-loads and bursts (tiles loaded more than once, whole 64-B
   bursts), DVFS throttling (ZigZag has no power budget) and stalls.
 
@@ -64,8 +64,8 @@ import tempfile
 import numpy as np
 
 from edgetvm.target.emulator import Emulator
-from edgetvm.target.emulator.costs import (dram_bursts, mma_cycles, tcm_bytes, tcm_traffic,
-                                           vector_cycles)
+from edgetvm.target.emulator.costs import (dram_bursts, mma_cycles, mma_tcm_reads, tcm_bytes,
+                                           tcm_traffic, vector_cycles)
 from edgetvm.target.emulator.functional import valid_rows
 from edgetvm.target.isa import ITEMSIZE, DmaLoad, DmaStore, Mma, Vector, eval_value
 from edgetvm.target.lowering import lower_primfunc
@@ -253,15 +253,14 @@ def operand_energy(program, spec) -> dict:
                                  spec.dram_burst_bytes)
             add(f"{role}_dram", bursts * spec.dram_burst_bytes * spec.dram_pj_per_byte)
         elif isinstance(cmd, Mma):
-            add("I_tcm", tcm_bytes(cmd.a) * rd)
-            add("W_tcm", tcm_bytes(cmd.b) * rd)
-            for ref in (cmd.scales, cmd.zeros):
-                if ref is not None:
-                    add("S_tcm", tcm_bytes(ref) * rd)
-            add("O_tcm", tcm_bytes(cmd.out) * (wr + (rd if cmd.accumulate else 0.0)))
+            reads = mma_tcm_reads(cmd, spec)
+            add("I_tcm", reads["a"] * rd)
+            add("W_tcm", reads["b"] * rd)
+            add("S_tcm", reads["scales"] * rd)
+            add("O_tcm", reads["out"] * rd + tcm_bytes(cmd.out) * wr)
             add("matrix", mma_cycles(cmd, spec) * spec.power_unit_mw["matrix"] * mw_cycle_pj)
         elif isinstance(cmd, Vector):
-            r, w = tcm_traffic(cmd)
+            r, w = tcm_traffic(cmd, spec)
             add("O_tcm", r * rd + w * wr)
             add("vector", vector_cycles(cmd, spec) * spec.power_unit_mw["vector"] * mw_cycle_pj)
     return out

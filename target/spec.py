@@ -30,7 +30,7 @@ VECTOR_OPS = ("add", "sub", "mul", "max", "div", "reduce_max", "reduce_sum", "ex
 UNITS = ("matrix", "vector", "host")
 #: emulator model version: bumped whenever the functional, timing or power model changes;
 #: it is stamped on every program file, benchmark JSON and tuning-log key
-EMULATOR_MODEL_VERSION = 2
+EMULATOR_MODEL_VERSION = 3
 
 
 @dataclass(frozen=True)

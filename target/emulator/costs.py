@@ -14,6 +14,12 @@ DRAM bus and the clock are the simulation's, ``device.py`` and ``power.py``):
   contiguous run of bytes (the whole window if its rows are adjacent in DRAM, else each
   row) moves as whole ``dram_burst_bytes`` bursts, from the burst its first byte is in to
   the burst its last byte is in.
+* TCM traffic of an MMA: the matrix unit holds one native tile of each operand, so an MMA
+  of ``mt x nt x kt`` native tiles reads its ``a`` once per column of tiles (``nt``
+  times) and its ``b`` (with a W4A16 MMA's packed weights, scales and zero points) once
+  per row of tiles (``mt`` times); it keeps each output tile in its fp32 accumulators
+  over the K tiles and writes ``out`` once (reads it once more when it accumulates). A
+  vector op reads its sources and writes its destination once.
 """
 from __future__ import annotations
 
@@ -72,13 +78,22 @@ def tcm_bytes(ref: TcmRef, rows: int | None = None) -> int:
     return r * ref.shape[1] * ITEMSIZE[ref.dtype]
 
 
-def tcm_traffic(cmd) -> tuple:
+def mma_tcm_reads(cmd: Mma, spec) -> dict:
+    """TCM bytes an MMA reads per operand: ``a``, ``b`` (packed weights), ``scales``
+    (scales and zero points) and ``out`` (when it accumulates)."""
+    m, n, _ = cmd.mnk
+    tm, tn, _ = spec.mma_tile
+    weights = [r for r in (cmd.scales, cmd.zeros) if r is not None]
+    return {"a": tcm_bytes(cmd.a) * _cdiv(n, tn),
+            "b": tcm_bytes(cmd.b) * _cdiv(m, tm),
+            "scales": sum(map(tcm_bytes, weights)) * _cdiv(m, tm),
+            "out": tcm_bytes(cmd.out) if cmd.accumulate else 0}
+
+
+def tcm_traffic(cmd, spec) -> tuple:
     """(bytes read, bytes written) in the TCM by a compute command."""
     if isinstance(cmd, Mma):
-        reads = [cmd.a, cmd.b] + [r for r in (cmd.scales, cmd.zeros) if r is not None]
-        if cmd.accumulate:
-            reads.append(cmd.out)
-        return sum(map(tcm_bytes, reads)), tcm_bytes(cmd.out)
+        return sum(mma_tcm_reads(cmd, spec).values()), tcm_bytes(cmd.out)
     if isinstance(cmd, Vector):
         return sum(map(tcm_bytes, cmd.srcs)), tcm_bytes(cmd.dst)
     return 0, 0

@@ -127,7 +127,7 @@ def _plan(program: Program, spec: NPUSpec) -> list:
         elif isinstance(cmd, Vector):
             reads = tuple(_tcm_region(r) for r in cmd.srcs)
             writes = (_tcm_region(cmd.dst),)
-        rd, wr = tcm_traffic(cmd)
+        rd, wr = tcm_traffic(cmd, spec)
         steps.append(_Step(cmd.unit, command_name(cmd), tuple(Counter(cmd.wait).items()),
                            command_cycles(cmd, spec), reads, writes,
                            rd * spec.tcm_read_pj_per_byte + wr * spec.tcm_write_pj_per_byte))
@@ -580,7 +580,7 @@ class _Run:
         self.hazards.check(i, step.unit, vc, step.tcm_reads, step.tcm_writes, self.names)
         for r in step.tcm_writes + step.tcm_reads:
             self.tcm_high = max(self.tcm_high, r.end)
-        rd, wr = tcm_traffic(cmd)
+        rd, wr = tcm_traffic(cmd, self.spec)
         self.tcm_read += rd
         self.tcm_write += wr
         if isinstance(cmd, Mma):

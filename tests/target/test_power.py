@@ -43,7 +43,9 @@ def power_curve(spec, n_mma):
     sync = spec.event_sync_cycles
     dma_mw = (spec.dram_bytes_per_cycle * spec.dram_pj_per_byte
               + 8192 * spec.tcm_write_pj_per_byte / transfer) * mhz
-    mma_pj = 2 * 8192 * spec.tcm_read_pj_per_byte + 16384 * spec.tcm_write_pj_per_byte
+    # the native tile is (16, 64, 64): the MMA reads ``a`` once (one column of tiles) and
+    # ``b`` once per row of tiles (4), and writes its fp32 ``out`` once
+    mma_pj = (8192 + 4 * 8192) * spec.tcm_read_pj_per_byte + 16384 * spec.tcm_write_pj_per_byte
     mma_mw = spec.power_unit_mw["matrix"] + mma_pj / c * mhz
     curve = [spec.power_static_mw] * setup
     curve += [spec.power_static_mw + dma_mw] * transfer
@@ -77,12 +79,12 @@ def test_energy_and_power_without_throttling(spec):
     by = cnt.energy_uj_by
     to_uj = 1e-6
     assert by["dram"] == pytest.approx(8192 * s.dram_pj_per_byte * to_uj)
-    tcm_pj = 8192 * s.tcm_write_pj_per_byte + 4 * (16384 * s.tcm_read_pj_per_byte +
+    tcm_pj = 8192 * s.tcm_write_pj_per_byte + 4 * (40960 * s.tcm_read_pj_per_byte +
                                                    16384 * s.tcm_write_pj_per_byte)
     assert by["tcm"] == pytest.approx(tcm_pj * to_uj)
     assert by["units"] == pytest.approx(4 * c * s.power_unit_mw["matrix"] / s.clock_mhz * 1e-3)
     assert by["static"] == pytest.approx(len(curve) * s.power_static_mw / s.clock_mhz * 1e-3)
-    assert (cnt.tcm_read_bytes, cnt.tcm_write_bytes) == (4 * 16384, 8192 + 4 * 16384)
+    assert (cnt.tcm_read_bytes, cnt.tcm_write_bytes) == (4 * 40960, 8192 + 4 * 16384)
     # the power trace: one average per DVFS interval, covering the run's energy
     starts, power = r.power_window_starts, r.power_mw
     assert starts[0] == 0
@@ -203,3 +205,33 @@ def test_a_timeline_carries_power_and_clock_across_runs(spec):
     assert fresh.total_cycles < second.total_cycles
     assert tl.counters()["total_cycles"] == whole.total_cycles
     assert tl.counters()["energy_uj"] == pytest.approx(whole.energy_uj)
+
+
+@pytest.mark.parametrize("m, n, k, accumulate", [(1, 576, 64, False), (40, 200, 64, True),
+                                                 (16, 64, 128, False)])
+def test_mma_reads_its_operands_once_per_native_tile_row_and_column(spec, m, n, k, accumulate):
+    # the native tile is (16, 64, 64): an MMA spanning ceil(m/16) x ceil(n/64) tiles reads
+    # a (m, k) once per column of tiles and b (k, n) once per row of tiles, fp16
+    b = ProgramBuilder("mma_reads", spec)
+    a, w, out = b.tcm((m, k), "float16"), b.tcm((k, n), "float16"), b.tcm((m, n), "float32")
+    b.emit(Mma(out=out, a=a, b=w, accumulate=accumulate))
+    c = Emulator(spec).run(b.build()).counters
+    rows, cols = -(-m // 16), -(-n // 64)
+    reads = m * k * 2 * cols + k * n * 2 * rows + (m * n * 4 if accumulate else 0)
+    assert (c.tcm_read_bytes, c.tcm_write_bytes) == (reads, m * n * 4)
+    assert c.energy_uj_by["tcm"] == pytest.approx(
+        (reads * spec.tcm_read_pj_per_byte + m * n * 4 * spec.tcm_write_pj_per_byte) * 1e-6)
+
+
+def test_w4a16_mma_rereads_packed_weights_scales_and_zeros_per_tile_row(spec):
+    # 48 rows = 3 rows of native tiles; b (N, K/2) uint8, scales fp16 and zeros uint8
+    # (N, K/32): each read 3 times, a (48, 128) fp16 once (N = 64 is one column)
+    m, n, k, g = 48, 64, 128, 32
+    b = ProgramBuilder("w4_reads", spec)
+    a, q = b.tcm((m, k), "float16"), b.tcm((n, k // 2), "uint8")
+    s, z = b.tcm((n, k // g), "float16"), b.tcm((n, k // g), "uint8")
+    out = b.tcm((m, n), "float32")
+    b.emit(Mma(out=out, a=a, b=q, transpose_b=True, scales=s, zeros=z, group_size=g))
+    c = Emulator(spec).run(b.build()).counters
+    assert c.tcm_read_bytes == m * k * 2 + 3 * (n * k // 2 + n * (k // g) * 3)
+    assert c.tcm_write_bytes == m * n * 4
