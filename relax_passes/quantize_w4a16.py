@@ -8,9 +8,12 @@ from tvm import relax, tirx
 
 from edgetvm.frontend.matmul_nbits import LINEAR_W4A16, _product, linear_w4a16_primfunc
 
-from .w4_pack import check_w4_options, pack_zero_points, quantize_w4
+from .w4_pack import pack_zero_points
+from .w4_quantize import check_w4_options, quantize_w4
 
 _FLOAT_WEIGHTS = ("float32", "float16")
+#: Names ``keep_fp16`` accepts.
+KEEP_FP16_LAYERS = ("lm_head", "embedding")
 # TVM 0.27 moved constants to tvm.ir (relax.const builds an ir.GenericConst).
 _Constant = tvm.ir.expr.GenericConst
 
@@ -28,52 +31,70 @@ class QuantizeW4A16:
 
     What changes: ``W`` (K, N) becomes the constants ``packed`` uint8
     ``(N, k_blocks, group_size / 2)``, ``scales`` ``(N, k_blocks)`` in ``scale_dtype``
-    and, if asymmetric, MatMulNBits' packed uint4 ``zero_points``
-    ``(N, ceil(k_blocks / 2))``; a constant bias ``(N,)`` whose add is the matmul's only
-    use moves into the kernel. Nothing is expanded back to float in the graph.
+    and, by ``zero_points``: nothing (symmetric, zero point 8), MatMulNBits' packed uint4
+    ``zero_points`` ``(N, ceil(k_blocks / 2))``, or float ``zero_points`` ``(N, k_blocks)``
+    in ``scale_dtype`` (scale and zero point fitted per group, ``w4_fit.py``); a constant
+    bias ``(N,)`` whose add is the matmul's only use moves into the kernel. Nothing is
+    expanded back to float in the graph.
 
-    What stays: the embedding table (it is a gather, not a matmul), linears with fewer than
-    ``min_features`` input or output features, weights of another dtype, batched
-    (3-D+) constant matmuls, the lm_head if ``quantize_lm_head`` is false (the lm_head is
-    the linear whose width is the vocabulary of a ``take`` on a 2-D float table).
-    Composite / primitive functions are left alone: run this before
-    ``AnnotateLLMSemantics``.
+    What stays: the embedding table (it is a gather, not a matmul: edgetvm never
+    quantizes it, the NPU gathers its rows in fp16), linears with fewer than
+    ``min_features`` input or output features, weights of another dtype, batched (3-D+)
+    constant matmuls, and the layers named in ``keep_fp16`` (the lm_head is the linear
+    whose width is the vocabulary of a ``take`` on a 2-D float table). Composite /
+    primitive functions are left alone: run this before ``AnnotateLLMSemantics``.
+    :func:`~edgetvm.relax_passes.quant_report.quantization_report` says what became what.
 
     Parameters
     ----------
     group_size : int
         Weights per scale along K: 16, 32, 64 or 128. K that is not a multiple is padded
         (as MatMulNBits does).
-    symmetric : bool
-        Zero point 8 (no zero-point tensor) or per-group uint4 zero points.
+    zero_points : {"float", "none", "uint4"}
+        Zero-point form (see :func:`edgetvm.relax_passes.w4_quantize.quantize_w4`):
+        ``float`` (default, the most accurate: 2 more bytes per group), ``none``
+        (symmetric, the fewest bytes) or ``uint4`` (1 more byte per group on the NPU).
     min_features : int
         Smallest K and N that get quantised.
-    quantize_lm_head : bool
-        Quantise the vocabulary projection too (it is the largest weight of small models).
+    keep_fp16 : iterable of str
+        Layers that stay float: ``"lm_head"`` (the vocabulary projection, the largest
+        weight of small models) and ``"embedding"`` (always float: accepted so a user
+        can say so; see above). Other names raise ValueError.
     scale_rule : str
-        Symmetric scale rule of :func:`edgetvm.relax_passes.w4_pack.quantize_w4`.
+        Symmetric scale rule of :func:`edgetvm.relax_passes.w4_quantize.quantize_w4`.
     scale_dtype : str
-        Dtype of the scale constants: float16 is the NPU's format (with float32
-        activations the kernel widens them in the reduction); float32 gives exactly
-        onnxruntime's MatMulNBits numbers for an fp32 model.
+        Dtype of the scale (and float zero point) constants: float16 is the NPU's
+        format (with float32 activations the kernel widens them in the reduction);
+        float32 gives exactly onnxruntime's MatMulNBits numbers for an fp32 model.
     """
 
     def __init__(
         self,
         group_size: int = 32,
-        symmetric: bool = True,
+        zero_points: str = "float",
         min_features: int = 64,
-        quantize_lm_head: bool = True,
+        keep_fp16=(),
         scale_rule: str = "mse",
         scale_dtype: str = "float16",
     ):
-        check_w4_options(group_size, scale_rule, scale_dtype)
+        check_w4_options(group_size, scale_rule, scale_dtype, zero_points)
+        keep = tuple(keep_fp16)
+        unknown = sorted(set(keep) - set(KEEP_FP16_LAYERS))
+        if unknown:
+            raise ValueError(f"keep_fp16: unknown layer name(s) {unknown}; known: "
+                             f"{', '.join(KEEP_FP16_LAYERS)}")
         self.group_size = group_size
-        self.symmetric = symmetric
+        self.zero_points = zero_points
         self.min_features = min_features
-        self.quantize_lm_head = quantize_lm_head
+        self.keep_fp16 = keep
         self.scale_rule = scale_rule
         self.scale_dtype = scale_dtype
+
+    def quantize(self, weight_kn: np.ndarray):
+        """The :class:`~edgetvm.relax_passes.w4_pack.W4Weight` this pass makes of a
+        ``(K, N)`` matmul weight (benchmarks write the same numbers into ONNX)."""
+        return quantize_w4(weight_kn.T, self.group_size, self.zero_points, self.scale_rule,
+                           self.scale_dtype)
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         rewriter = _LinearRewriter(mod, self)
@@ -175,7 +196,7 @@ class _LinearRewriter(relax.PyExprMutator):
         k, n = weight.shape
         if min(k, n) < self.options.min_features:
             return None
-        if not self.options.quantize_lm_head and n in self.vocab_sizes:
+        if "lm_head" in self.options.keep_fp16 and n in self.vocab_sizes:
             return None
         return weight
 
@@ -217,12 +238,13 @@ class _LinearRewriter(relax.PyExprMutator):
         opts = self.options
         k, n = weight.shape
         dtype = str(x.ty.dtype)
-        w4 = quantize_w4(weight.T, opts.group_size, opts.symmetric, opts.scale_rule, opts.scale_dtype)
+        w4 = opts.quantize(weight)
         args = [relax.const(w4.blocks(), "uint8"), relax.const(w4.scales, opts.scale_dtype)]
-        zero_point_kind = "none"
-        if not opts.symmetric:
-            zero_point_kind = "uint4"
+        zero_point_kind = w4.zero_point_kind
+        if zero_point_kind == "uint4":
             args.append(relax.const(pack_zero_points(w4.zeros), "uint8"))
+        elif zero_point_kind == "float":
+            args.append(relax.const(w4.zeros, opts.scale_dtype))
         if bias is not None:
             args.append(relax.const(bias.value.numpy().reshape(n).astype(dtype), dtype))
         func = linear_w4a16_primfunc(
