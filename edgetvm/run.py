@@ -38,6 +38,8 @@ def _ids(text: str) -> list:
 
 def _layer_names(text: str) -> tuple:
     names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if names == ("none",):
+        return ()
     unknown = sorted(set(names) - set(KEEP_FP16_LAYERS))
     if unknown:
         raise argparse.ArgumentTypeError(f"--keep-fp16: unknown layer(s) {', '.join(unknown)}; "
@@ -82,16 +84,17 @@ def main(argv=None) -> int:
                     help="with --quantize: float (default; fitted scale and fp16 zero point "
                          "per group, 5.0 bits/weight at G=32), none (symmetric, 4.5) or "
                          "uint4 (4.75)")
-    ap.add_argument("--keep-fp16", type=_layer_names, default=(), metavar="LAYERS",
-                    help="with --quantize: comma-separated layers that stay fp16: "
-                         f"{', '.join(KEEP_FP16_LAYERS)}")
+    ap.add_argument("--keep-fp16", type=_layer_names, default=None, metavar="LAYERS",
+                    help="with --quantize: comma-separated layers that stay fp16, of "
+                         f"{', '.join(KEEP_FP16_LAYERS)}, or none (default: embedding, the "
+                         "table and a tied lm_head that is that table)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be >= 1")
     if args.chunk is not None and args.chunk < 1:
         ap.error("--chunk must be >= 1")
-    if args.quantize is None and (args.keep_fp16 or args.zero_points != "float"):
+    if args.quantize is None and (args.keep_fp16 is not None or args.zero_points != "float"):
         ap.error("--zero-points and --keep-fp16 apply to --quantize G")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")
@@ -105,8 +108,9 @@ def main(argv=None) -> int:
         extra = {"row_buckets": (args.chunk,)} if args.chunk else {}
         quantize = None
         if args.quantize:
+            keep = {} if args.keep_fp16 is None else {"keep_fp16": args.keep_fp16}
             quantize = QuantizeW4A16(group_size=args.quantize, zero_points=args.zero_points,
-                                     keep_fp16=args.keep_fp16)
+                                     **keep)
         session = NPUSession(args.model, args.target, args.profile,
                              max_tokens=args.max_tokens, quantize=quantize, **extra)
         if session.quant_report is not None:

@@ -37,8 +37,8 @@ class QuantizeW4A16:
     bias ``(N,)`` whose add is the matmul's only use moves into the kernel. Nothing is
     expanded back to float in the graph.
 
-    What stays: the embedding table (it is a gather, not a matmul: edgetvm never
-    quantizes it, the NPU gathers its rows in fp16), linears with fewer than
+    What stays: the embedding table (a gather, not a matmul: the NPU gathers its rows in
+    fp16), linears with fewer than
     ``min_features`` input or output features, weights of another dtype, batched (3-D+)
     constant matmuls, and the layers named in ``keep_fp16`` (the lm_head is the linear
     whose width is the vocabulary of a ``take`` on a 2-D float table). Composite /
@@ -57,9 +57,12 @@ class QuantizeW4A16:
     min_features : int
         Smallest K and N that get quantised.
     keep_fp16 : iterable of str
-        Layers that stay float: ``"lm_head"`` (the vocabulary projection, the largest
-        weight of small models) and ``"embedding"`` (always float: accepted so a user
-        can say so; see above). Other names raise ValueError.
+        Layers that stay float: ``"embedding"`` (default: the embedding table, and the
+        lm_head where it *is* that table, ``x @ permute_dims(table)`` of a tied model;
+        onnxruntime's quantizer leaves it float too, and checkpoints keep it at more
+        bits than 4: SmolLM2's Q4_1 GGUF stores it at ~8), ``"lm_head"`` (the vocabulary
+        projection, tied or not). ``()`` quantizes every linear. Other names raise
+        ValueError.
     scale_rule : str
         Symmetric scale rule of :func:`edgetvm.relax_passes.w4_quantize.quantize_w4`.
     scale_dtype : str
@@ -73,7 +76,7 @@ class QuantizeW4A16:
         group_size: int = 32,
         zero_points: str = "float",
         min_features: int = 64,
-        keep_fp16=(),
+        keep_fp16=("embedding",),
         scale_rule: str = "mse",
         scale_dtype: str = "float16",
     ):
@@ -155,7 +158,8 @@ class _LinearRewriter(relax.PyExprMutator):
         self.options = options
         self.rewrites: dict = {}  # binding var -> (x, weight (K, N), bias or None)
         self.dropped: set = set()  # matmul vars whose bias add takes them over
-        self.vocab_sizes = _vocab_sizes(mod)
+        self.tables = _embedding_tables(mod)
+        self.vocab_sizes = {int(t.ty.shape.values[0]) for t in self.tables}
 
     # planning: which bindings become W4A16 kernels
     def plan(self, func: relax.Function) -> None:
@@ -198,7 +202,17 @@ class _LinearRewriter(relax.PyExprMutator):
             return None
         if "lm_head" in self.options.keep_fp16 and n in self.vocab_sizes:
             return None
+        if "embedding" in self.options.keep_fp16 and n in self.vocab_sizes and \
+                self._is_embedding_table(weight):
+            return None
         return weight
+
+    def _is_embedding_table(self, weight: np.ndarray) -> bool:
+        """Is the ``(K, N)`` weight the transpose of an embedding table (a tied lm_head:
+        the importer folds ``Transpose(table)`` into a constant, or keeps
+        ``permute_dims``)?"""
+        return any(_static_shape(t) == weight.T.shape and np.array_equal(t.value.numpy(), weight.T)
+                   for t in self.tables)
 
     @staticmethod
     def _bias_add(var, users, returned, n):
@@ -261,18 +275,18 @@ class _LinearRewriter(relax.PyExprMutator):
         return relax.op.reshape(self.builder_.emit(out), [*lead, n])
 
 
-def _vocab_sizes(mod: tvm.IRModule) -> set:
-    """Rows of the 2-D float tables gathered by ``take(table, ids, axis=0)`` (embeddings)."""
-    sizes: set = set()
+def _embedding_tables(mod: tvm.IRModule) -> list:
+    """The 2-D float constants gathered by ``take(table, ids, axis=0)`` (embeddings)."""
+    tables: list = []
 
     def visit(expr):
         if _op_name(expr) == "relax.take" and isinstance(expr.args[0], _Constant):
             table = expr.args[0]
             shape = _static_shape(table)
             if shape and len(shape) == 2 and str(table.ty.dtype).startswith(("float", "bfloat")):
-                sizes.add(shape[0])
+                tables.append(table)
 
     for _, func in mod.functions_items():
         if isinstance(func, relax.Function):
             relax.analysis.post_order_visit(func, visit)
-    return sizes
+    return tables

@@ -43,7 +43,9 @@ def _host_model(path, qpass):
     ("qwen2", 32, "none"), ("llama", 64, "uint4")])
 def test_quantized_session_matches_the_quantized_model_on_the_host(family, group, zero_points):
     path = DATA / f"{family}_tiny_with_past.onnx"
-    qpass = QuantizeW4A16(group_size=group, zero_points=zero_points)
+    # keep_fp16=(): the tied lm_heads of GPT-2 and Qwen2 are quantized too (by default
+    # they stay fp16 with the embedding table they are)
+    qpass = QuantizeW4A16(group_size=group, zero_points=zero_points, keep_fp16=())
     session = NPUSession(str(path), quantize=qpass, max_tokens=64)
     w4 = [r for r in session.regions if "w4a16" in {v for k, v in r.attrs.items()
                                                       if k.endswith("weight_format")}]
@@ -94,3 +96,21 @@ def test_run_cli_quantize(capsys):
                  "--max-new-tokens", "2", "--quantize", "32"]) == 0
     out = capsys.readouterr().out
     assert "generated ids:" in out and "decode" in out
+    assert "5.00 bits/weight" in out and "g32 float zero points" in out   # the report
+    assert main([str(DATA / "gpt2_tiny_with_past.onnx"), "--prompt-ids", "5,17",
+                 "--max-new-tokens", "1", "--quantize", "64", "--zero-points", "none",
+                 "--keep-fp16", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "4.25 bits/weight" in out and "g64 none zero points" in out
+    assert "fp16 linears:  0 " in out          # the tied lm_head is quantized too
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--quantize", "32", "--keep-fp16", "lm_hed"], "unknown layer(s) lm_hed"),
+    (["--keep-fp16", "lm_head"], "apply to --quantize G"),
+    (["--quantize", "32", "--zero-points", "int8"], "invalid choice"),
+])
+def test_run_cli_refuses_bad_quantization_options(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        main([str(DATA / "gpt2_tiny_with_past.onnx"), "--prompt-ids", "5", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
