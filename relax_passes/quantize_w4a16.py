@@ -24,8 +24,8 @@ class QuantizeW4A16:
     W4A16 ``call_tir`` the front end emits for onnxruntime's ``MatMulNBits``.
 
     Why: decode is a chain of GEMVs bound by weight traffic from DRAM; 4-bit weights with
-    a float16 scale per group move 4.5 bits per weight (group 32) instead of 32 (fp32) or
-    16 (fp16). Emitting exactly the front end's form (``edgetvm.op = linear_w4a16``, the
+    a float16 scale (and float16 zero point) per group of 32 move 4.5 (5.0) bits per weight
+    instead of 32 (fp32) or 16 (fp16). Emitting exactly the front end's form (``edgetvm.op = linear_w4a16``, the
     reshapes to and from 2-D, the same kernel signature) means a quantised ONNX model and
     a float model quantised here meet the same annotation passes, schedules and lowering.
 
