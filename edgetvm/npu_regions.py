@@ -97,9 +97,10 @@ def rows_of(shape) -> int:
 
 def _w4_consts(region, lin, n_to: int | None = None) -> dict:
     """MatMulNBits (N, blocks, block/2) uint8 + (N, blocks) scales [+ zero points] -> the
-    NPU's W (N, K'/2), S (N, K'/G) fp16 [, Z (N, K'/G) uint8] with K' = blocks * G (a
-    partial last block is zero-padded by the quantizer; the activation is padded with
-    zeros to match). ``n_to`` pads output rows with zero scales (their outputs are 0)."""
+    NPU's W (N, K'/2), S (N, K'/G) fp16 [, Z (N, K'/G): uint8 for uint4 zero points,
+    fp16 for float ones] with K' = blocks * G (a partial last block is padded by the
+    quantizer; the activation is padded with zeros to match). ``n_to`` pads output rows
+    with zero scales (their outputs are 0)."""
     a = region.args
     packed = a[lin.weight]
     n, blocks = packed.shape[0], packed.shape[1]
@@ -107,10 +108,18 @@ def _w4_consts(region, lin, n_to: int | None = None) -> dict:
            "s": np.asarray(a[lin.scales], np.float32).reshape(n, blocks).astype(F16)}
     if lin.zero_kind == "uint4":
         out["z"] = unpack_uint4_zero_points(np.asarray(a[lin.zeros]), blocks)
+    elif lin.zero_kind == "float":
+        out["z"] = np.asarray(a[lin.zeros], np.float32).reshape(n, blocks).astype(F16)
     if n_to is not None and n_to > n:
         out = {k: np.concatenate([v, np.zeros((n_to - n,) + v.shape[1:], v.dtype)])
                for k, v in out.items()}
     return out
+
+
+def _fits_fp16(values) -> bool:
+    """Float zero points that keep their value within fp16 rounding (|z| < 65504)."""
+    v = np.asarray(values, np.float32)
+    return bool(np.isfinite(v).all() and np.abs(v).max(initial=0.0) < np.finfo(F16).max)
 
 
 def _bias(region, lin, n: int) -> np.ndarray | None:
@@ -295,8 +304,10 @@ def _offloadable(region) -> bool:
         lins = linears(region)
         if len(lins) != {"mlp": 3 if attrs.get("edgetvm.gated") == "1" else 2}.get(kind, 1):
             return False
-        if any(lin.zero_kind not in ("none", "uint4") for lin in lins):
-            return False       # float zero points: no NPU format for them (host)
+        if any(lin.zero_kind not in ("none", "uint4", "float") for lin in lins):
+            return False
+        if any(lin.zero_kind == "float" and not _fits_fp16(a[lin.zeros]) for lin in lins):
+            return False       # float32 zero points the NPU's fp16 cannot hold: host
         if any(not lin.w4 and str(np.asarray(a[lin.weight]).dtype) not in
                ("float32", "float16") for lin in lins):
             return False

@@ -18,6 +18,8 @@ import sys
 import numpy as np
 
 from edgetvm.errors import EdgeTVMError
+from edgetvm.relax_passes.quantize_w4a16 import KEEP_FP16_LAYERS
+from edgetvm.relax_passes.w4_pack import ZERO_POINT_KINDS
 
 DEFAULT_ATOL = 1e-2
 DEFAULT_RTOL = 1e-2
@@ -32,6 +34,17 @@ def _ids(text: str) -> list:
     if not ids:
         raise argparse.ArgumentTypeError("--prompt-ids is empty")
     return ids
+
+
+def _layer_names(text: str) -> tuple:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if names == ("none",):
+        return ()
+    unknown = sorted(set(names) - set(KEEP_FP16_LAYERS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--keep-fp16: unknown layer(s) {', '.join(unknown)}; "
+                                         f"known: {', '.join(KEEP_FP16_LAYERS)}")
+    return names
 
 
 def compare_logits(recs, ref, atol: float, rtol: float) -> tuple:
@@ -67,23 +80,41 @@ def main(argv=None) -> int:
     ap.add_argument("--quantize", type=int, choices=(32, 64, 128), default=None, metavar="G",
                     help="quantize fp32/fp16 linears to W4A16 with group size G (32/64/128); "
                          "--check-onnx then compares against the unquantized model")
+    ap.add_argument("--zero-points", choices=ZERO_POINT_KINDS, default="float",
+                    help="with --quantize: float (default; fitted scale and fp16 zero point "
+                         "per group, 5.0 bits/weight at G=32), none (symmetric, 4.5) or "
+                         "uint4 (4.75)")
+    ap.add_argument("--keep-fp16", type=_layer_names, default=None, metavar="LAYERS",
+                    help="with --quantize: comma-separated layers that stay fp16, of "
+                         f"{', '.join(KEEP_FP16_LAYERS)}, or none (default: embedding, the "
+                         "table and a tied lm_head that is that table)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be >= 1")
     if args.chunk is not None and args.chunk < 1:
         ap.error("--chunk must be >= 1")
+    if args.quantize is None and (args.keep_fp16 is not None or args.zero_points != "float"):
+        ap.error("--zero-points and --keep-fp16 apply to --quantize G")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")
     try:
         from edgetvm.generate import KVSpec, greedy, onnxruntime_runner, tokens_of
+        from edgetvm.relax_passes import QuantizeW4A16
         from edgetvm.session import NPUSession
 
         kv = KVSpec.of(args.model)
         print(f"compiling {args.model} for {args.target} ...", flush=True)
         extra = {"row_buckets": (args.chunk,)} if args.chunk else {}
+        quantize = None
+        if args.quantize:
+            keep = {} if args.keep_fp16 is None else {"keep_fp16": args.keep_fp16}
+            quantize = QuantizeW4A16(group_size=args.quantize, zero_points=args.zero_points,
+                                     **keep)
         session = NPUSession(args.model, args.target, args.profile,
-                             max_tokens=args.max_tokens, quantize=args.quantize, **extra)
+                             max_tokens=args.max_tokens, quantize=quantize, **extra)
+        if session.quant_report is not None:
+            print(session.quant_report.summary(), flush=True)
         print(f"{len(session.regions)} regions on the NPU; running "
               f"{args.max_new_tokens} step(s)", flush=True)
         print(f"{'step':<5} {'phase':<8} {'token':>7} {'npu_us':>10} {'npu_cycles':>11} "

@@ -29,6 +29,7 @@ from tvm import relax, s_tir
 from edgetvm.errors import EdgeTVMError
 from edgetvm.frontend import import_onnx
 from edgetvm.relax_passes import AnnotateLLMSemantics, QuantizeW4A16
+from edgetvm.relax_passes.quant_report import quantization_report
 from edgetvm.target.emulator import Emulator
 from edgetvm.target.lowering import lower_primfunc
 from edgetvm.target.spec import load_spec
@@ -84,21 +85,30 @@ class StepMeter:
 
 
 class NPUSession:
-    """Compile ``onnx_path`` for ``spec`` and run it with the NPU parts on the emulator."""
+    """Compile ``onnx_path`` for ``spec`` and run it with the NPU parts on the emulator.
+
+    ``quantize``: None, a group size (``QuantizeW4A16(group_size=G)``: float zero points,
+    fp16 scales) or a configured ``QuantizeW4A16`` pass; ``quant_report`` then says what
+    the linears weigh (``relax_passes/quant_report.py``).
+    """
 
     def __init__(self, onnx_path, spec="edge-npu-16mb", profile=None, shape_overrides=None,
                  max_tokens: int = 1024, row_buckets=(16, 32, 64, 128, 256, 512, 1024),
-                 quantize: int | None = None, kv_page_pool=None):
+                 quantize=None, kv_page_pool=None):
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         t0 = time.time()
         self.imported = import_onnx(onnx_path, shape_overrides=shape_overrides)
         log.info("imported %s (%d ops) in %.1fs", onnx_path, sum(self.imported.op_histogram.values()),
                  time.time() - t0)
         mod = self.imported.mod
+        self.quant_report = None
         if quantize:
-            # fp32/fp16 linears -> W4A16 with group ``quantize`` (symmetric, fp16 scales)
-            mod = QuantizeW4A16(group_size=quantize)(mod)
-            log.info("quantized linears to W4A16 (group %d)", quantize)
+            # fp32/fp16 linears -> W4A16: a group size (float zero points, fp16 scales) or
+            # a configured QuantizeW4A16 pass
+            qpass = QuantizeW4A16(group_size=quantize) if isinstance(quantize, int) else quantize
+            mod = qpass(mod)
+            self.quant_report = quantization_report(mod)
+            log.info("quantized linears to W4A16:\n%s", self.quant_report.summary())
         mod = AnnotateLLMSemantics()(mod)
         prefix = f"edgetvm.npu.s{next(_SESSION_IDS)}"
         mod, self.regions = offload_regions(mod, offloadable, prefix, prune=unsound_offloads)

@@ -8,9 +8,12 @@ from tvm import relax, tirx
 
 from edgetvm.frontend.matmul_nbits import LINEAR_W4A16, _product, linear_w4a16_primfunc
 
-from .w4_pack import check_w4_options, pack_zero_points, quantize_w4
+from .w4_pack import pack_zero_points
+from .w4_quantize import check_w4_options, quantize_w4
 
 _FLOAT_WEIGHTS = ("float32", "float16")
+#: Names ``keep_fp16`` accepts.
+KEEP_FP16_LAYERS = ("lm_head", "embedding")
 # TVM 0.27 moved constants to tvm.ir (relax.const builds an ir.GenericConst).
 _Constant = tvm.ir.expr.GenericConst
 
@@ -21,59 +24,80 @@ class QuantizeW4A16:
     W4A16 ``call_tir`` the front end emits for onnxruntime's ``MatMulNBits``.
 
     Why: decode is a chain of GEMVs bound by weight traffic from DRAM; 4-bit weights with
-    a float16 scale per group move 4.5 bits per weight (group 32) instead of 32 (fp32) or
-    16 (fp16). Emitting exactly the front end's form (``edgetvm.op = linear_w4a16``, the
+    a float16 scale (and float16 zero point) per group of 32 move 4.5 (5.0) bits per weight
+    instead of 32 (fp32) or 16 (fp16). Emitting exactly the front end's form (``edgetvm.op = linear_w4a16``, the
     reshapes to and from 2-D, the same kernel signature) means a quantised ONNX model and
     a float model quantised here meet the same annotation passes, schedules and lowering.
 
     What changes: ``W`` (K, N) becomes the constants ``packed`` uint8
     ``(N, k_blocks, group_size / 2)``, ``scales`` ``(N, k_blocks)`` in ``scale_dtype``
-    and, if asymmetric, MatMulNBits' packed uint4 ``zero_points``
-    ``(N, ceil(k_blocks / 2))``; a constant bias ``(N,)`` whose add is the matmul's only
-    use moves into the kernel. Nothing is expanded back to float in the graph.
+    and, by ``zero_points``: nothing (symmetric, zero point 8), MatMulNBits' packed uint4
+    ``zero_points`` ``(N, ceil(k_blocks / 2))``, or float ``zero_points`` ``(N, k_blocks)``
+    in ``scale_dtype`` (scale and zero point fitted per group, ``w4_fit.py``); a constant
+    bias ``(N,)`` whose add is the matmul's only use moves into the kernel. Nothing is
+    expanded back to float in the graph.
 
-    What stays: the embedding table (it is a gather, not a matmul), linears with fewer than
-    ``min_features`` input or output features, weights of another dtype, batched
-    (3-D+) constant matmuls, the lm_head if ``quantize_lm_head`` is false (the lm_head is
-    the linear whose width is the vocabulary of a ``take`` on a 2-D float table).
-    Composite / primitive functions are left alone: run this before
-    ``AnnotateLLMSemantics``.
+    What stays: the embedding table (a gather, not a matmul: the NPU gathers its rows in
+    fp16), linears with fewer than
+    ``min_features`` input or output features, weights of another dtype, batched (3-D+)
+    constant matmuls, and the layers named in ``keep_fp16`` (the lm_head is the linear
+    whose width is the vocabulary of a ``take`` on a 2-D float table). Composite /
+    primitive functions are left alone: run this before ``AnnotateLLMSemantics``.
+    :func:`~edgetvm.relax_passes.quant_report.quantization_report` says what became what.
 
     Parameters
     ----------
     group_size : int
         Weights per scale along K: 16, 32, 64 or 128. K that is not a multiple is padded
         (as MatMulNBits does).
-    symmetric : bool
-        Zero point 8 (no zero-point tensor) or per-group uint4 zero points.
+    zero_points : {"float", "none", "uint4"}
+        Zero-point form (see :func:`edgetvm.relax_passes.w4_quantize.quantize_w4`):
+        ``float`` (default, the most accurate: 2 more bytes per group), ``none``
+        (symmetric, the fewest bytes) or ``uint4`` (1 more byte per group on the NPU).
     min_features : int
         Smallest K and N that get quantised.
-    quantize_lm_head : bool
-        Quantise the vocabulary projection too (it is the largest weight of small models).
+    keep_fp16 : iterable of str
+        Layers that stay float: ``"embedding"`` (default: the embedding table, and the
+        lm_head where it *is* that table, ``x @ permute_dims(table)`` of a tied model;
+        onnxruntime's quantizer leaves it float too, and checkpoints keep it at more
+        bits than 4: SmolLM2's Q4_1 GGUF stores it at ~8), ``"lm_head"`` (the vocabulary
+        projection, tied or not). ``()`` quantizes every linear. Other names raise
+        ValueError.
     scale_rule : str
-        Symmetric scale rule of :func:`edgetvm.relax_passes.w4_pack.quantize_w4`.
+        Symmetric scale rule of :func:`edgetvm.relax_passes.w4_quantize.quantize_w4`.
     scale_dtype : str
-        Dtype of the scale constants: float16 is the NPU's format (with float32
-        activations the kernel widens them in the reduction); float32 gives exactly
-        onnxruntime's MatMulNBits numbers for an fp32 model.
+        Dtype of the scale (and float zero point) constants: float16 is the NPU's
+        format (with float32 activations the kernel widens them in the reduction);
+        float32 gives exactly onnxruntime's MatMulNBits numbers for an fp32 model.
     """
 
     def __init__(
         self,
         group_size: int = 32,
-        symmetric: bool = True,
+        zero_points: str = "float",
         min_features: int = 64,
-        quantize_lm_head: bool = True,
+        keep_fp16=("embedding",),
         scale_rule: str = "mse",
         scale_dtype: str = "float16",
     ):
-        check_w4_options(group_size, scale_rule, scale_dtype)
+        check_w4_options(group_size, scale_rule, scale_dtype, zero_points)
+        keep = tuple(keep_fp16)
+        unknown = sorted(set(keep) - set(KEEP_FP16_LAYERS))
+        if unknown:
+            raise ValueError(f"keep_fp16: unknown layer name(s) {unknown}; known: "
+                             f"{', '.join(KEEP_FP16_LAYERS)}")
         self.group_size = group_size
-        self.symmetric = symmetric
+        self.zero_points = zero_points
         self.min_features = min_features
-        self.quantize_lm_head = quantize_lm_head
+        self.keep_fp16 = keep
         self.scale_rule = scale_rule
         self.scale_dtype = scale_dtype
+
+    def quantize(self, weight_kn: np.ndarray):
+        """The :class:`~edgetvm.relax_passes.w4_pack.W4Weight` this pass makes of a
+        ``(K, N)`` matmul weight (benchmarks write the same numbers into ONNX)."""
+        return quantize_w4(weight_kn.T, self.group_size, self.zero_points, self.scale_rule,
+                           self.scale_dtype)
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         rewriter = _LinearRewriter(mod, self)
@@ -134,7 +158,8 @@ class _LinearRewriter(relax.PyExprMutator):
         self.options = options
         self.rewrites: dict = {}  # binding var -> (x, weight (K, N), bias or None)
         self.dropped: set = set()  # matmul vars whose bias add takes them over
-        self.vocab_sizes = _vocab_sizes(mod)
+        self.tables = _embedding_tables(mod)
+        self.vocab_sizes = {int(t.ty.shape.values[0]) for t in self.tables}
 
     # planning: which bindings become W4A16 kernels
     def plan(self, func: relax.Function) -> None:
@@ -175,9 +200,19 @@ class _LinearRewriter(relax.PyExprMutator):
         k, n = weight.shape
         if min(k, n) < self.options.min_features:
             return None
-        if not self.options.quantize_lm_head and n in self.vocab_sizes:
+        if "lm_head" in self.options.keep_fp16 and n in self.vocab_sizes:
+            return None
+        if "embedding" in self.options.keep_fp16 and n in self.vocab_sizes and \
+                self._is_embedding_table(weight):
             return None
         return weight
+
+    def _is_embedding_table(self, weight: np.ndarray) -> bool:
+        """Is the ``(K, N)`` weight the transpose of an embedding table (a tied lm_head:
+        the importer folds ``Transpose(table)`` into a constant, or keeps
+        ``permute_dims``)?"""
+        return any(_static_shape(t) == weight.T.shape and np.array_equal(t.value.numpy(), weight.T)
+                   for t in self.tables)
 
     @staticmethod
     def _bias_add(var, users, returned, n):
@@ -217,12 +252,13 @@ class _LinearRewriter(relax.PyExprMutator):
         opts = self.options
         k, n = weight.shape
         dtype = str(x.ty.dtype)
-        w4 = quantize_w4(weight.T, opts.group_size, opts.symmetric, opts.scale_rule, opts.scale_dtype)
+        w4 = opts.quantize(weight)
         args = [relax.const(w4.blocks(), "uint8"), relax.const(w4.scales, opts.scale_dtype)]
-        zero_point_kind = "none"
-        if not opts.symmetric:
-            zero_point_kind = "uint4"
+        zero_point_kind = w4.zero_point_kind
+        if zero_point_kind == "uint4":
             args.append(relax.const(pack_zero_points(w4.zeros), "uint8"))
+        elif zero_point_kind == "float":
+            args.append(relax.const(w4.zeros, opts.scale_dtype))
         if bias is not None:
             args.append(relax.const(bias.value.numpy().reshape(n).astype(dtype), dtype))
         func = linear_w4a16_primfunc(
@@ -239,18 +275,18 @@ class _LinearRewriter(relax.PyExprMutator):
         return relax.op.reshape(self.builder_.emit(out), [*lead, n])
 
 
-def _vocab_sizes(mod: tvm.IRModule) -> set:
-    """Rows of the 2-D float tables gathered by ``take(table, ids, axis=0)`` (embeddings)."""
-    sizes: set = set()
+def _embedding_tables(mod: tvm.IRModule) -> list:
+    """The 2-D float constants gathered by ``take(table, ids, axis=0)`` (embeddings)."""
+    tables: list = []
 
     def visit(expr):
         if _op_name(expr) == "relax.take" and isinstance(expr.args[0], _Constant):
             table = expr.args[0]
             shape = _static_shape(table)
             if shape and len(shape) == 2 and str(table.ty.dtype).startswith(("float", "bfloat")):
-                sizes.add(shape[0])
+                tables.append(table)
 
     for _, func in mod.functions_items():
         if isinstance(func, relax.Function):
             relax.analysis.post_order_visit(func, visit)
-    return sizes
+    return tables

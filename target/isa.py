@@ -35,8 +35,10 @@ Commands
     ``b`` is ``(K, N)``, or ``(N, K)`` with ``transpose_b``. Kinds, by operand dtypes:
     fp16 x fp16; int8 x int8; fp16 x W4: ``b`` is uint8 ``(N, K // 2)`` (two 4-bit weights
     per byte, the even k in the low nibble, as onnxruntime's MatMulNBits), ``scales``
-    ``(N, K // group_size)`` and optional ``zeros`` ``(N, K // group_size)`` uint8
-    (default zero point 8): ``w[n, k] = (q[n, k] - zero) * scale``, dequantised on the fly.
+    ``(N, K // group_size)`` float16 and optional ``zeros`` ``(N, K // group_size)``,
+    uint8 (integer zero points) or float16 (float zero points, MatMulNBits' float form);
+    default zero point 8: ``w[n, k] = (q[n, k] - zero) * scale`` in fp32, dequantised on
+    the fly.
 ``Vector``
     an elementwise, reduction or fused op on the vector unit, computed in fp32 and stored
     in ``dst``'s dtype; see :data:`VECTOR_OP_ARITY`. Binary ops broadcast a second operand

@@ -338,9 +338,13 @@ def _schedule_matmul_stage(sch, blk, loops, loads, stores, knobs: dict, slots_ou
 
 
 # -- the clusters of a transformer layer ------------------------------------------------
-def w4_tensors(name: str, n: int, k: int, group: int) -> dict:
-    """The packed weight and group scales of an (n, k) W4A16 linear."""
-    return {f"{name}_w": ((n, k // 2), "uint8"), f"{name}_s": ((n, k // group), "float16")}
+def w4_tensors(name: str, n: int, k: int, group: int, zeros: str | None = None) -> dict:
+    """The packed weight and group scales (and zero points of dtype ``zeros``: "uint8" or
+    "float16") of an (n, k) W4A16 linear."""
+    t = {f"{name}_w": ((n, k // 2), "uint8"), f"{name}_s": ((n, k // group), "float16")}
+    if zeros is not None:
+        t[f"{name}_z"] = ((n, k // group), zeros)
+    return t
 
 
 def norm_qkv_rope_cluster(m: int, hidden: int, n_q: int, n_kv: int, head_dim: int,
@@ -358,14 +362,19 @@ def norm_qkv_rope_cluster(m: int, hidden: int, n_q: int, n_kv: int, head_dim: in
     return FusionCluster("norm_qkv_rope", t, stages, ("q_rot", "k_rot", "v_lin"), consts)
 
 
-def mlp_cluster(m: int, hidden: int, inter: int, group: int = 32) -> FusionCluster:
-    """gate/up projections (W4A16) -> SiLU(gate) * up -> down projection."""
+def mlp_cluster(m: int, hidden: int, inter: int, group: int = 32,
+                zeros: str | None = None) -> FusionCluster:
+    """gate/up projections (W4A16) -> SiLU(gate) * up -> down projection; ``zeros``: the
+    dtype of the W4 zero points ("uint8", "float16"), None for none (8)."""
     t = {"x": ((m, hidden), "float16")}
-    t.update(w4_tensors("gate", inter, hidden, group))
-    t.update(w4_tensors("up", inter, hidden, group))
-    t.update(w4_tensors("down", hidden, inter, group))
-    stages = [Stage("linear_w4a16", ("x", "gate_w", "gate_s"), "gate"),
-              Stage("linear_w4a16", ("x", "up_w", "up_s"), "up"),
+    t.update(w4_tensors("gate", inter, hidden, group, zeros))
+    t.update(w4_tensors("up", inter, hidden, group, zeros))
+    t.update(w4_tensors("down", hidden, inter, group, zeros))
+
+    def w4(p):
+        return tuple(n for n in (f"{p}_w", f"{p}_s", f"{p}_z") if n in t)
+    stages = [Stage("linear_w4a16", ("x",) + w4("gate"), "gate"),
+              Stage("linear_w4a16", ("x",) + w4("up"), "up"),
               Stage("silu_mul", ("gate", "up"), "act"),
-              Stage("linear_w4a16", ("act", "down_w", "down_s"), "down")]
+              Stage("linear_w4a16", ("act",) + w4("down"), "down")]
     return FusionCluster("mlp", t, stages, ("down",), tuple(n for n in t if n != "x"))

@@ -55,7 +55,7 @@ def schedule_matmul(sch, *, tile_m=None, tile_n=None, tile_k=None, slots_a=None,
     sch.reverse_compute_at(cast, j0)
     d_store = sch.cache_write(cast, 0, TCM)         # the cast now writes TCM; d_store copies out
     sch.reverse_compute_at(d_store, j0)
-    n_in = len(sch.get(blk).reads)                  # A/X, then B or W, S(, Z)
+    n_in = len(sch.get(blk).reads)                  # A/X, then B, or S, W(, Z)
     a_load = sch.cache_read(blk, 0, TCM)
     a_resident = int(sch.get(at)) == 1
     sch.compute_at(a_load, i0 if a_resident else k0)

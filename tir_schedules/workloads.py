@@ -27,28 +27,42 @@ def gemm_fp16(m: int, n: int, k: int, b_layout: str = "kn"):
 
 
 def dequant_w4_expr(w, s, z, n, kk, group: int):
-    """fp32 value of 4-bit weight (n, kk) in MatMulNBits packing (low nibble = even k)."""
+    """fp32 value of 4-bit weight (n, kk) in MatMulNBits packing (low nibble = even k):
+    ``scale * (q - zero)``, zero point ``z`` (uint8 or float16, one per group) or 8.
+
+    The scale is read before the packed byte and the zero point, so a block's reads are
+    ``x, scales, packed[, zeros]``: the lowering tells float zero points from the scales
+    by that order (they have the same shape and dtype)."""
+    scale = s[n, tirx.floordiv(kk, group)].astype("float32")
     byte = w[n, tirx.floordiv(kk, 2)]
     q = tirx.bitwise_and(tirx.shift_right(byte, (tirx.floormod(kk, 2) * 4).astype("uint8")),
                          tirx.const(15, "uint8"))
     zero = z[n, tirx.floordiv(kk, group)].astype("float32") if z is not None \
         else tirx.const(8.0, "float32")
-    return (q.astype("float32") - zero) * s[n, tirx.floordiv(kk, group)].astype("float32")
+    return scale * (q.astype("float32") - zero)
 
 
-def gemm_w4a16(m: int, n: int, k: int, group: int = 32, zeros: bool = False):
-    """D (m, n) fp16 = X (m, k) fp16 @ dequant(W (n, k/2) uint8, S (n, k/group) fp16)^T."""
+#: ``gemm_w4a16`` zero-point forms -> dtype of ``Z`` (None: no zero points, 8).
+W4_ZERO_DTYPES = {"none": None, "uint8": "uint8", "float16": "float16"}
+
+
+def gemm_w4a16(m: int, n: int, k: int, group: int = 32, zeros: str = "none"):
+    """D (m, n) fp16 = X (m, k) fp16 @ dequant(W (n, k/2) uint8, S (n, k/group) fp16
+    [, Z (n, k/group) uint8 or float16])^T; ``zeros`` is a key of :data:`W4_ZERO_DTYPES`."""
     if k % group or group % 2:
         raise ValueError(f"K={k} must be a multiple of the (even) group size {group}")
+    if zeros not in W4_ZERO_DTYPES:
+        raise ValueError(f"zeros={zeros!r}: one of {tuple(W4_ZERO_DTYPES)}")
     x = te.placeholder((m, k), "float16", name="X")
     w = te.placeholder((n, k // 2), "uint8", name="W")
     s = te.placeholder((n, k // group), "float16", name="S")
-    z = te.placeholder((n, k // group), "uint8", name="Z") if zeros else None
+    z_dtype = W4_ZERO_DTYPES[zeros]
+    z = te.placeholder((n, k // group), z_dtype, name="Z") if z_dtype else None
     r = te.reduce_axis((0, k), name="k")
     c = te.compute((m, n), lambda i, j: te.sum(
         x[i, r].astype("float32") * dequant_w4_expr(w, s, z, j, r, group), axis=r), name="C")
     d = te.compute((m, n), lambda i, j: c[i, j].astype("float16"), name="D")
-    args = [x, w, s] + ([z] if zeros else []) + [d]
+    args = [x, w, s] + ([z] if z is not None else []) + [d]
     return te.create_prim_func(args)
 
 

@@ -43,14 +43,15 @@ def dma(cmd, tcm, src_or_dst: np.ndarray, n_rows: int) -> None:
 
 def dequant_w4(packed: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
                group_size: int) -> np.ndarray:
-    """(N, K//2) uint8 + (N, K//G) scales -> (N, K) fp32 weights (MatMulNBits layout)."""
+    """(N, K//2) uint8 + (N, K//G) scales [+ uint8 or float16 zero points] -> (N, K) fp32
+    weights (MatMulNBits layout), ``(q - zero) * scale`` in fp32."""
     n, half = packed.shape
-    q = np.empty((n, 2 * half), dtype=np.int16)
+    q = np.empty((n, 2 * half), dtype=_F32)
     q[:, 0::2] = packed & 0x0F
     q[:, 1::2] = packed >> 4
-    z = np.int16(8) if zeros is None else np.repeat(zeros.astype(np.int16), group_size, axis=1)
+    z = _F32(8) if zeros is None else np.repeat(zeros.astype(_F32), group_size, axis=1)
     s = np.repeat(scales.astype(_F32), group_size, axis=1)
-    return (q - z).astype(_F32) * s
+    return (q - z) * s
 
 
 def mma(cmd: Mma, tcm: np.ndarray) -> None:

@@ -183,8 +183,10 @@ def _check_mma(cmd, program, spec):
                   f"{(n, k // cmd.group_size)}")
         if cmd.zeros is not None:
             _check_tcm(cmd.zeros, program, spec, "MMA zeros")
-            if tuple(cmd.zeros.shape) != tuple(cmd.scales.shape) or cmd.zeros.dtype != "uint8":
-                _fail("W4A16 MMA: zeros must be uint8 shaped like scales")
+            if tuple(cmd.zeros.shape) != tuple(cmd.scales.shape) or \
+                    cmd.zeros.dtype not in ("uint8", "float16"):
+                _fail(f"W4A16 MMA: zeros must be uint8 or float16 shaped like scales "
+                      f"{tuple(cmd.scales.shape)}, got {cmd.zeros.dtype} {tuple(cmd.zeros.shape)}")
     else:
         want = "int8" if kind == "int8" else "float16"
         if cmd.a.dtype != want or cmd.b.dtype != want:

@@ -227,10 +227,15 @@ def _mma(op, tcm) -> Mma:
     reads = [_tcm_2d(tcm, op.index, r) for r in op.reads]
     packed = [k for k, r in enumerate(op.reads) if str(r.buffer.dtype) == "uint8"]
     if packed:
+        # W4A16 (workloads.dequant_w4_expr): reads x, scales, packed[, zeros]; uint8 zero
+        # points are the second uint8 read, float16 ones the float read after the scales.
         w = reads[packed[0]]
-        zeros = reads[packed[1]] if len(packed) > 1 else None
         floats = [r for k, r in enumerate(reads) if k not in packed]
         a, scales = floats[0], floats[1]
+        zeros = reads[packed[1]] if len(packed) > 1 else floats[2] if len(floats) > 2 else None
+        if len(packed) + len(floats) > 4:
+            raise CandidateRejected(f"W4A16 MMA on block {op.block!r} reads "
+                                    f"{len(op.reads)} buffers (x, scales, packed, zeros)")
         k = a.shape[1]
         group = k // scales.shape[1]
         return Mma(out=out, a=a, b=w, scales=scales, zeros=zeros, group_size=group,

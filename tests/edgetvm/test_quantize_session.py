@@ -9,6 +9,7 @@ Tolerance as everywhere on the NPU: ``0.01 + 0.01 * max|reference|`` per output 
 import pathlib
 
 import numpy as np
+import onnx
 import pytest
 import tvm
 from reference_loop import assert_outputs_close, greedy_loop, onnxruntime_model
@@ -24,9 +25,9 @@ DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 PROMPT = [5, 17, 42, 7]
 
 
-def _host_model(path, group):
+def _host_model(path, qpass):
     imported = import_onnx(str(path))
-    mod = QuantizeW4A16(group_size=group)(imported.mod)
+    mod = qpass(imported.mod)
     mod = relax.transform.DecomposeOpsForInference()(mod)
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
     vm = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())
@@ -37,10 +38,15 @@ def _host_model(path, group):
     return run
 
 
-@pytest.mark.parametrize("family, group", [("llama", 32), ("gpt2", 64), ("qwen2", 32)])
-def test_quantized_session_matches_the_quantized_model_on_the_host(family, group):
+@pytest.mark.parametrize("family, group, zero_points", [
+    ("llama", 32, "float"), ("gpt2", 64, "float"),      # float16 zero points on the NPU
+    ("qwen2", 32, "none"), ("llama", 64, "uint4")])
+def test_quantized_session_matches_the_quantized_model_on_the_host(family, group, zero_points):
     path = DATA / f"{family}_tiny_with_past.onnx"
-    session = NPUSession(str(path), quantize=group, max_tokens=64)
+    # keep_fp16=(): the tied lm_heads of GPT-2 and Qwen2 are quantized too (by default
+    # they stay fp16 with the embedding table they are)
+    qpass = QuantizeW4A16(group_size=group, zero_points=zero_points, keep_fp16=())
+    session = NPUSession(str(path), quantize=qpass, max_tokens=64)
     w4 = [r for r in session.regions if "w4a16" in {v for k, v in r.attrs.items()
                                                       if k.endswith("weight_format")}]
     # every quantised projection runs on the NPU: q, o, the MLP (or its projections) and
@@ -48,8 +54,9 @@ def test_quantized_session_matches_the_quantized_model_on_the_host(family, group
     assert {r.kind for r in w4} >= {"linear", "mlp", "lm_head"}
     assert all(r.attrs.get("edgetvm.group_size", r.attrs.get("edgetvm.up_group_size")) ==
                str(group) for r in w4)
+    assert session.quant_report.zero_point_kinds == {zero_points}
     _, names, kv = onnxruntime_model(path)
-    want, want_calls = greedy_loop(_host_model(path, group), names, kv, PROMPT, 6)
+    want, want_calls = greedy_loop(_host_model(path, qpass), names, kv, PROMPT, 6)
     got, got_calls = greedy_loop(lambda f: session(f)[0], names, kv, PROMPT, 6)
     assert got == want
     assert_outputs_close(got_calls, want_calls, family)
@@ -65,8 +72,45 @@ def test_quantized_decode_moves_fewer_bytes():
     assert w4.dram_read_bytes < 0.6 * fp16.dram_read_bytes
 
 
+def test_float_zero_points_cost_two_bytes_each_per_decode_step():
+    """The only difference between the float and symmetric forms in DRAM traffic is the
+    zero points: 2 bytes per group of 32, every group read once per decode step. Groups
+    counted from the ONNX file: every MatMul weight with K and N >= 64 (min_features)."""
+    path = str(DATA / "llama_tiny_decode_p8.onnx")
+    inits = {i.name: i for i in onnx.load(path).graph.initializer}
+    shapes = [tuple(inits[n.input[1]].dims) for n in onnx.load(path).graph.node
+              if n.op_type == "MatMul" and n.input[1] in inits]
+    groups = sum(n * k // 32 for k, n in (s for s in shapes if len(s) == 2) if min(k, n) >= 64)
+    kv = KVSpec.of(path)
+    past = {n: np.zeros((1, kv.kv_heads, 8, kv.head_dim), np.float32)
+            for names in kv.names for n in names[2:]}
+    read = {}
+    for zp in ("none", "float"):
+        session = NPUSession(path, quantize=QuantizeW4A16(group_size=32, zero_points=zp))
+        read[zp] = session(feeds_for(kv, [7], 8, past))[1].dram_read_bytes
+    assert groups > 1000 and read["float"] - read["none"] == 2 * groups
+
+
 def test_run_cli_quantize(capsys):
     assert main([str(DATA / "gpt2_tiny_with_past.onnx"), "--prompt-ids", "5,17",
                  "--max-new-tokens", "2", "--quantize", "32"]) == 0
     out = capsys.readouterr().out
     assert "generated ids:" in out and "decode" in out
+    assert "5.00 bits/weight" in out and "g32 float zero points" in out   # the report
+    assert main([str(DATA / "gpt2_tiny_with_past.onnx"), "--prompt-ids", "5,17",
+                 "--max-new-tokens", "1", "--quantize", "64", "--zero-points", "none",
+                 "--keep-fp16", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "4.25 bits/weight" in out and "g64 none zero points" in out
+    assert "fp16 linears:  0 " in out          # the tied lm_head is quantized too
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--quantize", "32", "--keep-fp16", "lm_hed"], "unknown layer(s) lm_hed"),
+    (["--keep-fp16", "lm_head"], "apply to --quantize G"),
+    (["--quantize", "32", "--zero-points", "int8"], "invalid choice"),
+])
+def test_run_cli_refuses_bad_quantization_options(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        main([str(DATA / "gpt2_tiny_with_past.onnx"), "--prompt-ids", "5", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err

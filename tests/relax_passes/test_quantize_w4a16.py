@@ -35,11 +35,11 @@ from edgetvm.relax_passes.w4_pack import (
     pack_tile_order,
     pack_zero_points,
     quantization_codes,
-    quantize_w4,
     unpack_nibbles,
     unpack_tile_order,
     unpack_zero_points,
 )
+from edgetvm.relax_passes.w4_quantize import quantize_w4
 from edgetvm.target.emulator.functional import dequant_w4
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"   # see tests/data/README.md
@@ -70,7 +70,7 @@ def random_weight(n, k, seed=0, dtype="float32"):
 @pytest.mark.parametrize("rule", ["absmax", "signed_absmax", "mse"])
 def test_symmetric_error_is_at_most_half_a_step(group, rule):
     w = random_weight(48, 320, seed=group)  # 320 % 128 != 0: padded last group
-    w4 = quantize_w4(w, group, symmetric=True, scale_rule=rule)
+    w4 = quantize_w4(w, group, "none", scale_rule=rule)
     assert w4.packed.shape == (48, -(-320 // group) * group // 2) and w4.packed.dtype == np.uint8
     assert w4.scales.dtype == np.float16 and w4.zeros is None
     scale = np.repeat(w4.scales.astype(np.float64), group, axis=1)[:, :320]
@@ -100,7 +100,7 @@ def test_asymmetric_is_exact_on_the_grid(group):
     zeros = rng.integers(0, 16, (n, k_blocks))
     scales = rng.uniform(1e-3, 0.1, (n, k_blocks)).astype(np.float16)
     w = ((q - zeros[..., None]) * scales.astype(np.float32)[..., None]).astype(np.float32)
-    w4 = quantize_w4(w.reshape(n, -1), group, symmetric=False)
+    w4 = quantize_w4(w.reshape(n, -1), group, "uint4")
     np.testing.assert_array_equal(w4.scales, scales)
     np.testing.assert_array_equal(w4.zeros, zeros)
     np.testing.assert_array_equal(quantization_codes(w4).reshape(q.shape), q)
@@ -110,12 +110,12 @@ def test_asymmetric_is_exact_on_the_grid(group):
 def test_asymmetric_error_bound_and_zero_is_exact():
     w = random_weight(32, 256, seed=3) + 0.02  # skewed groups: where a zero point pays
     w[:, :32] = 0.0
-    w4 = quantize_w4(w, 32, symmetric=False)
+    w4 = quantize_w4(w, 32, "uint4")
     deq = dequantize_w4(w4)
     scale = np.repeat(w4.scales.astype(np.float32), 32, axis=1)
     assert np.all(np.abs(deq - w) <= scale / 2 * (1 + 1e-5))
     np.testing.assert_array_equal(deq[:, :32], 0.0)
-    sym = dequantize_w4(quantize_w4(w, 32, symmetric=True))
+    sym = dequantize_w4(quantize_w4(w, 32, "none"))
     assert np.mean((deq - w) ** 2) < np.mean((sym - w) ** 2)
 
 
@@ -128,21 +128,22 @@ def test_nibble_order_matches_matmul_nbits_and_the_emulator():
     assert packed_zeros.shape == (7, 3)
     np.testing.assert_array_equal(unpack_zero_points(packed_zeros, 5), zeros)
     # dequantize_w4 is bit-identical to the NPU emulator's dequantisation.
-    for symmetric in (True, False):
-        w4 = quantize_w4(random_weight(16, 256), 64, symmetric=symmetric)
+    for zero_points in ("none", "uint4", "float"):
+        w4 = quantize_w4(random_weight(16, 256), 64, zero_points)
         np.testing.assert_array_equal(
             dequantize_w4(w4), dequant_w4(w4.packed, w4.scales, w4.zeros, 64))
 
 
-@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("zero_points", ["none", "uint4", "float"])
 @pytest.mark.parametrize("n,k,group,tile_n,tile_k", [
     (128, 256, 32, 32, 64),     # tiles divide the matrix
     (100, 200, 32, 32, 64),     # edge tiles in both directions, padded last group
     (64, 256, 128, 16, 128),    # one group per tile row
     (48, 96, 16, 8, 32),
 ])
-def test_tile_order_round_trip_and_contiguity(symmetric, n, k, group, tile_n, tile_k):
-    w4 = quantize_w4(random_weight(n, k, seed=n + k), group, symmetric=symmetric)
+def test_tile_order_round_trip_and_contiguity(zero_points, n, k, group, tile_n, tile_k):
+    symmetric = zero_points == "none"
+    w4 = quantize_w4(random_weight(n, k, seed=n + k), group, zero_points)
     tiled = pack_tile_order(w4, tile_n, tile_k, align_bytes=64)
     back = unpack_tile_order(tiled)
     np.testing.assert_array_equal(back.packed, w4.packed)
@@ -150,13 +151,15 @@ def test_tile_order_round_trip_and_contiguity(symmetric, n, k, group, tile_n, ti
     if symmetric:
         assert back.zeros is None
     else:
-        np.testing.assert_array_equal(back.zeros, w4.zeros)
+        assert back.zeros.dtype == w4.zeros.dtype
+        np.testing.assert_array_equal(back.zeros.view(np.uint8), w4.zeros.view(np.uint8))
     np.testing.assert_array_equal(dequantize_w4(back), dequantize_w4(w4))
 
     assert tiled.data.size == tiled.tiles_n * tiled.tiles_k * tiled.tile_bytes
     assert tiled.tile_bytes % 64 == 0
     groups = tile_k // group
-    tile_payload = tile_n * tile_k // 2 + tile_n * groups * (2 if symmetric else 3)
+    zero_bytes = {"none": 0, "uint4": 1, "float": 2}[zero_points]    # per group
+    tile_payload = tile_n * tile_k // 2 + tile_n * groups * (2 + zero_bytes)
     assert tiled.tile_bytes - tile_payload < 64 + 2  # only alignment padding
     codes = quantization_codes(w4)
     # Each tile, read as one burst, is exactly the W4A16 MMA operands of that tile.
@@ -171,6 +174,7 @@ def test_tile_order_round_trip_and_contiguity(symmetric, n, k, group, tile_n, ti
             gc = min(groups, w4.k_blocks - g0)
             np.testing.assert_array_equal(scales[:r, :gc], w4.scales[rows, g0:g0 + gc])
             if not symmetric:
+                assert zeros.dtype == w4.zeros.dtype
                 np.testing.assert_array_equal(zeros[:r, :gc], w4.zeros[rows, g0:g0 + gc])
             assert np.all(scales[r:] == 0) and np.all(scales[:, gc:] == 0)  # padding is 0
 
@@ -186,7 +190,7 @@ def test_w4_format_runs_on_onnxruntime_matmul_nbits():
     x @ dequantize_w4(w)^T on onnxruntime: the format is onnxruntime's."""
     ort = pytest.importorskip("onnxruntime")
     k, n, group = 200, 48, 32
-    w4 = quantize_w4(random_weight(n, k, seed=5), group, symmetric=False)
+    w4 = quantize_w4(random_weight(n, k, seed=5), group, "uint4")
     inits = [
         numpy_helper.from_array(w4.blocks(), "B"),
         numpy_helper.from_array(w4.scales.astype(np.float32), "scales"),
@@ -243,17 +247,19 @@ def _tiny_linear_module(k, n, dtype, bias, transposed=False):
     return bb.get(), weight, b
 
 
-@pytest.mark.parametrize("dtype,symmetric,bias,group,transposed", [
-    ("float32", True, False, 32, False),
-    ("float32", False, True, 64, False),   # K=96: padded last group; bias moves into the kernel
-    ("float32", True, True, 32, True),     # x @ permute_dims(W)
-    ("float16", True, True, 32, False),    # fp16 activations: the front end's kernel as is
-    ("float16", False, False, 128, False),
+@pytest.mark.parametrize("dtype,zero_points,bias,group,transposed", [
+    ("float32", "none", False, 32, False),
+    ("float32", "uint4", True, 64, False),   # K=96: padded last group; bias moves into the kernel
+    ("float32", "none", True, 32, True),     # x @ permute_dims(W)
+    ("float16", "none", True, 32, False),    # fp16 activations: the front end's kernel as is
+    ("float16", "uint4", False, 128, False),
+    ("float32", "float", True, 64, True),    # float zero points, padded last group
+    ("float16", "float", False, 32, False),
 ])
-def test_pass_computes_x_times_dequantized_weight(dtype, symmetric, bias, group, transposed):
+def test_pass_computes_x_times_dequantized_weight(dtype, zero_points, bias, group, transposed):
     k, n = 96, 80
     mod, weight, b = _tiny_linear_module(k, n, dtype, bias, transposed)
-    quantized = QuantizeW4A16(group_size=group, symmetric=symmetric)(mod)
+    quantized = QuantizeW4A16(group_size=group, zero_points=zero_points)(mod)
     script = quantized["main"].script()
     assert "R.matmul" not in script and "R.add" not in script and "R.call_tir" in script
     assert "R.permute_dims" not in script
@@ -261,11 +267,12 @@ def test_pass_computes_x_times_dequantized_weight(dtype, symmetric, bias, group,
     assert len(kernels) == 1
     attrs = kernels[0].attrs
     assert str(attrs["edgetvm.op"]) == "linear_w4a16" and int(attrs["edgetvm.group_size"]) == group
-    assert int(attrs["edgetvm.has_zero_points"]) == int(not symmetric)
+    assert int(attrs["edgetvm.has_zero_points"]) == int(zero_points != "none")
+    assert str(attrs["edgetvm.zero_point_kind"]) == zero_points
     assert int(attrs["edgetvm.has_bias"]) == int(bias)
 
     x = np.random.default_rng(1).standard_normal((1, 5, k)).astype(dtype)
-    w4 = quantize_w4(weight.T, group, symmetric)
+    w4 = quantize_w4(weight.T, group, zero_points)
     ref = x.astype(np.float32) @ dequantize_w4(w4).T + (b.astype(np.float32) if bias else 0)
     tol = 1e-5 if dtype == "float32" else 1e-2
     np.testing.assert_allclose(_build_and_run(quantized, x), ref.astype(dtype), atol=tol, rtol=tol)
@@ -297,7 +304,8 @@ MIN_FEATURES = 32
 
 
 def test_pass_on_tiny_llama_leaves_no_float_weights():
-    mod = QuantizeW4A16(min_features=MIN_FEATURES)(_imported("llama_tiny_prefill_s8.onnx").mod)
+    mod = QuantizeW4A16(zero_points="none", min_features=MIN_FEATURES)(
+        _imported("llama_tiny_prefill_s8.onnx").mod)
     smallest_linear = 64 * 32
     big_float = {a.shape for a in _const_arrays(mod)
                  if a.dtype in (np.float32, np.float16) and a.size >= smallest_linear}
@@ -321,9 +329,9 @@ def test_pass_leaves_linears_below_min_features_in_float():
     "llama_tiny_with_past.onnx",         # symbolic batch / sequence / past
     "llama_tiny_prefill_dynamic.onnx",
 ])
-@pytest.mark.parametrize("symmetric,group", [(True, 32), (False, 64)])
-def test_semantic_coverage_stays_complete_with_w4a16_linears(name, symmetric, group):
-    mod = QuantizeW4A16(group_size=group, symmetric=symmetric,
+@pytest.mark.parametrize("zero_points,group", [("none", 32), ("uint4", 64), ("float", 128)])
+def test_semantic_coverage_stays_complete_with_w4a16_linears(name, zero_points, group):
+    mod = QuantizeW4A16(group_size=group, zero_points=zero_points,
                         min_features=MIN_FEATURES)(_imported(name).mod)
     report = semantic_report(AnnotateLLMSemantics()(mod), dims={"sequence_length": 8})
     # only the RoPE table (positions x inv_freq, cos, sin) stays generic
@@ -336,7 +344,7 @@ def test_semantic_coverage_stays_complete_with_w4a16_linears(name, symmetric, gr
 
 
 def test_pass_can_keep_the_lm_head_in_float():
-    mod = QuantizeW4A16(quantize_lm_head=False, min_features=MIN_FEATURES)(
+    mod = QuantizeW4A16(keep_fp16=("lm_head",), min_features=MIN_FEATURES)(
         _imported("llama_tiny_prefill_s8.onnx").mod)
     report = semantic_report(AnnotateLLMSemantics()(mod))
     assert report.coverage > 0.9995
@@ -350,7 +358,8 @@ def test_quantized_tiny_llama_is_close_to_fp32():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 512, (1, 8)).astype("int64") for _ in range(4)]
     mask, positions = np.ones((1, 8), "int64"), np.arange(8, dtype="int64")[None]
-    quantized = QuantizeW4A16(group_size=32, min_features=MIN_FEATURES)(imported.mod)
+    quantized = QuantizeW4A16(group_size=32, zero_points="none", min_features=MIN_FEATURES)(
+        imported.mod)
     vm_ref, vm_quantized = _build(imported.mod), _build(quantized)
     ref = [_run(vm_ref, p, mask, positions) for p in prompts]
     out = [_run(vm_quantized, p, mask, positions) for p in prompts]
@@ -374,7 +383,7 @@ def test_same_quantization_as_onnxruntime_matmul_nbits():
         if node.op_type != "MatMulNBits":
             continue
         base = node.input[1].removesuffix("_Q4")
-        ours = quantize_w4(floats[base].T, 32, symmetric=True, scale_rule="signed_absmax",
+        ours = quantize_w4(floats[base].T, 32, "none", scale_rule="signed_absmax",
                            scale_dtype="float32")
         np.testing.assert_allclose(ours.scales, quant[node.input[2]], rtol=1e-6)
         theirs = W4Weight(quant[node.input[1]].reshape(ours.packed.shape), ours.scales, None,
@@ -394,9 +403,10 @@ def test_same_quantization_as_onnxruntime_matmul_nbits():
     ref = _build_and_run(fp32_model.mod, *args)
     theirs = _build_and_run(_imported("llama_tiny_decode_p8_w4.onnx").mod, *args)
     same_rule = _build_and_run(
-        QuantizeW4A16(scale_rule="signed_absmax", scale_dtype="float32",
+        QuantizeW4A16(zero_points="none", scale_rule="signed_absmax", scale_dtype="float32",
                       min_features=MIN_FEATURES)(fp32_model.mod), *args)
-    default = _build_and_run(QuantizeW4A16(min_features=MIN_FEATURES)(fp32_model.mod), *args)
+    default = _build_and_run(QuantizeW4A16(zero_points="none", min_features=MIN_FEATURES)(
+        fp32_model.mod), *args)
     assert len(theirs) == len(same_rule) == 5  # logits + 4 present K/V
     for a, b in zip(same_rule, theirs):
         np.testing.assert_allclose(a, b, atol=5e-3, rtol=0)

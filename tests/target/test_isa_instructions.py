@@ -263,6 +263,7 @@ def pack_w4(q):
 
 
 def w4_reference(a, q, scales, zeros, group):
+    """a @ W^T, W[n, k] = (q - zero) * scale per group, in float64 from the codes."""
     n, k = q.shape
     w = np.empty((n, k), np.float64)
     for j in range(k // group):
@@ -273,13 +274,17 @@ def w4_reference(a, q, scales, zeros, group):
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("explicit_zeros", [False, True])
-def test_mma_w4a16(spec, group, explicit_zeros):
+@pytest.mark.parametrize("zeros_dtype", [None, "uint8", "float16"])
+def test_mma_w4a16(spec, group, zeros_dtype):
     m, n, k = 4, 64, 256
     a = RNG.standard_normal((m, k)).astype(np.float16)
     q = RNG.integers(0, 16, (n, k))
     scales = (RNG.random((n, k // group)) * 0.1 + 0.01).astype(np.float16)
-    zeros = RNG.integers(0, 16, (n, k // group)).astype(np.uint8) if explicit_zeros else None
+    zeros = None
+    if zeros_dtype == "uint8":
+        zeros = RNG.integers(0, 16, (n, k // group)).astype(np.uint8)
+    elif zeros_dtype == "float16":      # anywhere, fractional: MatMulNBits' float form
+        zeros = (RNG.random((n, k // group)) * 30 - 7).astype(np.float16)
     packed = pack_w4(q)
     assert packed.shape == (n, k // 2)
     y, c = run_mma(spec, a, packed, (m, n), transpose_b=True, scales=scales, zeros=zeros,
@@ -297,6 +302,21 @@ def test_mma_w4a16_waits_for_a_slow_dequantiser(spec):
     scales = np.ones((n, k // 32), np.float16)
     _, c = run_mma(slow, a, packed, (m, n), transpose_b=True, scales=scales, group_size=32)
     assert c.busy_cycles["matrix"] == slow.mma_issue_cycles + n * k // 16 == 16 + 512
+
+
+def test_w4a16_float_zero_points_are_not_rounded(spec):
+    # one group of codes 3 with zero point 2.5 and scale 2: every weight is exactly 1.0
+    a = np.ones((1, 32), np.float16)
+    packed = np.full((16, 16), 0x33, np.uint8)
+    scales = np.full((16, 1), 2.0, np.float16)
+    zeros = np.full((16, 1), 2.5, np.float16)
+    y, c = run_mma(spec, a, packed, (1, 16), transpose_b=True, scales=scales, zeros=zeros,
+                   group_size=32)
+    np.testing.assert_array_equal(y, np.full((1, 16), 32.0, np.float32))
+    # float zero points move 2 bytes each, uint8 ones 1: the DMA counts what it moves
+    _, c8 = run_mma(spec, a, packed, (1, 16), transpose_b=True, scales=scales,
+                    zeros=np.full((16, 1), 2, np.uint8), group_size=32)
+    assert c.dram_read_bytes - c8.dram_read_bytes == 16
 
 
 def test_w4a16_default_zero_point_is_8(spec):

@@ -241,6 +241,18 @@ def test_w4a16_bad_group_size(spec):
     refused(spec, b.build(), index=0, match="group_size 24 must be even and divide K=64")
 
 
+@pytest.mark.parametrize("dtype, shape", [("float32", (64, 2)), ("float16", (64, 1)),
+                                          ("int8", (64, 2))])
+def test_w4a16_zero_points_of_another_type_or_shape(spec, dtype, shape):
+    b = ProgramBuilder("w4z", spec)
+    b.emit(Mma(out=b.tcm((1, 64), "float32"), a=b.tcm((1, 64), "float16"),
+               b=b.tcm((64, 32), "uint8"), scales=b.tcm((64, 2), "float16"),
+               zeros=b.tcm(shape, dtype), transpose_b=True, group_size=32))
+    refused(spec, b.build(), index=0,
+            match=r"zeros must be uint8 or float16 shaped like scales \(64, 2\), got "
+                  + dtype)
+
+
 def test_vector_shape_mismatch(spec):
     b = ProgramBuilder("vec_shape", spec)
     x = b.tcm((8, 64), "float32")

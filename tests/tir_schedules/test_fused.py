@@ -20,16 +20,19 @@ HIDDEN, N_Q, N_KV, HEAD_DIM, INTER, GROUP = 576, 9, 3, 64, 1536, 32
 
 
 def _data(cluster, seed=0):
-    """Random inputs; each W4 linear ``<p>_w``/``<p>_s`` from its codes, its float weight
-    kept as ``<p>_float`` for the reference."""
+    """Random inputs; each W4 linear ``<p>_w``/``<p>_s`` (and ``<p>_z``) from its codes,
+    its float weight kept as ``<p>_float`` for the reference."""
     rng = np.random.default_rng(seed)
     d = {}
     for name, (shape, dtype) in cluster.tensors.items():
-        if dtype == "uint8":
+        if name.endswith("_w") and dtype == "uint8":
             p = name[:-2]
             n, k = shape[0], shape[1] * 2
             group = k // cluster.tensors[f"{p}_s"][0][1]
-            d[name], d[f"{p}_s"], _, d[f"{p}_float"] = w4_weights(rng, n, k, group)
+            zeros = cluster.tensors.get(f"{p}_z", (None, "none"))[1]
+            d[name], d[f"{p}_s"], z, d[f"{p}_float"] = w4_weights(rng, n, k, group, zeros)
+            if z is not None:
+                d[f"{p}_z"] = z
         elif name not in d:
             d[name] = rng.standard_normal(shape).astype(np.float16)
     return d
@@ -125,6 +128,18 @@ def test_mlp_cluster(m, knobs):
     d = _data(cluster)
     _, r = _run(cluster, d, **knobs)
     _check(r.outputs, _mlp_ref(d))
+
+
+@pytest.mark.parametrize("zeros", ["float16", "uint8"])
+def test_mlp_cluster_with_zero_points(zeros):
+    """W4 zero points DMA'd per weight tile beside the scales; float16 ones fractional."""
+    cluster = fused.mlp_cluster(3, HIDDEN, INTER, GROUP, zeros=zeros)
+    d = _data(cluster)
+    program, r = _run(cluster, d, tile_m=3, slots_in=1, slots_out=2, dma_split=1,
+                      matmul=_mm(MLP, tile_n=256, tile_k=512, slots_w=2, slots_c=2))
+    _check(r.outputs, _mlp_ref(d))
+    z_bytes = sum(t.nbytes for t in program.tensors_of("const") if t.name.endswith("_z"))
+    assert z_bytes == 3 * HIDDEN * INTER // GROUP * (2 if zeros == "float16" else 1)
 
 
 def test_generic_chain_layer_norm_linear_gelu_residual():

@@ -33,12 +33,12 @@ def _fp16_case(m, n, k, layout="kn", seed=0):
         a.astype(np.float32) @ bb
 
 
-def _w4_case(m, n, k, group, zeros=False, seed=0):
+def _w4_case(m, n, k, group, zeros="none", seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float16)
     w, s, z, weight = w4_weights(rng, n, k, group, zeros, scale=(0.01, 0.06))
     consts = {"W": w, "S": s}
-    if zeros:
+    if z is not None:
         consts["Z"] = z
     ref = x.astype(np.float32) @ weight.T
     return workloads.gemm_w4a16(m, n, k, group, zeros), consts, {"X": x}, ref
@@ -62,10 +62,13 @@ def test_gemm_fp16(m, n, k, layout, knobs):
 
 
 @pytest.mark.parametrize("m,n,k,group,zeros,knobs", [
-    (1, 576, 576, 32, False, dict(tile_m=1, tile_n=128, tile_k=576, a_at=1)),  # decode GEMV
-    (1, 100, 256, 64, True, dict(tile_m=1, tile_n=64, tile_k=128, a_at=0)),   # ragged N
-    (3, 96, 384, 128, False, dict(tile_m=3, tile_n=96, tile_k=384, a_at=1)),  # whole dims
-    (20, 64, 192, 32, True, dict(tile_m=16, tile_n=32, tile_k=96, a_at=0, dma_split=1)),
+    (1, 576, 576, 32, "none", dict(tile_m=1, tile_n=128, tile_k=576, a_at=1)),  # decode GEMV
+    (1, 100, 256, 64, "uint8", dict(tile_m=1, tile_n=64, tile_k=128, a_at=0)),   # ragged N
+    (3, 96, 384, 128, "none", dict(tile_m=3, tile_n=96, tile_k=384, a_at=1)),  # whole dims
+    (20, 64, 192, 32, "uint8", dict(tile_m=16, tile_n=32, tile_k=96, a_at=0, dma_split=1)),
+    # float16 zero points (MatMulNBits' float form): a GEMV and a ragged GEMM
+    (1, 576, 576, 32, "float16", dict(tile_m=1, tile_n=128, tile_k=576, a_at=1)),
+    (20, 100, 256, 64, "float16", dict(tile_m=16, tile_n=64, tile_k=128, a_at=0, dma_split=1)),
 ])
 def test_gemm_w4a16(m, n, k, group, zeros, knobs):
     func, consts, inputs, ref = _w4_case(m, n, k, group, zeros)

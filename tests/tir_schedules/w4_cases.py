@@ -8,14 +8,25 @@ with this reference, as it would if both sides unpacked the same bytes the same 
 import numpy as np
 
 
-def w4_weights(rng, n: int, k: int, group: int, zeros: bool = False, scale=(0.01, 0.03)):
-    """(packed (n, k/2) uint8, scales (n, k/group) fp16, zero points (n, k/group) uint8 or
-    None, the float weight (n, k) float32 they encode)."""
+def w4_weights(rng, n: int, k: int, group: int, zeros: str = "none", scale=(0.01, 0.03)):
+    """(packed (n, k/2) uint8, scales (n, k/group) fp16, zero points (n, k/group) or None,
+    the float weight (n, k) float32 they encode).
+
+    ``zeros``: "none" (zero point 8), "uint8" (integer zero points in [0, 15]) or
+    "float16" (float zero points anywhere in [-4, 20), as MatMulNBits' float form allows;
+    fractional, so a kernel that rounded or truncated them would not agree)."""
     codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
     s = (rng.random((n, k // group)) * (scale[1] - scale[0]) + scale[0]).astype(np.float16)
-    z = rng.integers(0, 16, (n, k // group), dtype=np.uint8) if zeros else None
+    if zeros == "uint8":
+        z = rng.integers(0, 16, (n, k // group), dtype=np.uint8)
+    elif zeros == "float16":
+        z = (rng.random((n, k // group)) * 24 - 4).astype(np.float16)
+    elif zeros == "none":
+        z = None
+    else:
+        raise ValueError(f"zeros={zeros!r}")
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
     per_col = np.arange(k) // group
-    zero = z[:, per_col].astype(np.float32) if zeros else np.float32(8)
+    zero = z[:, per_col].astype(np.float32) if z is not None else np.float32(8)
     weight = (codes.astype(np.float32) - zero) * s[:, per_col].astype(np.float32)
     return packed, s, z, weight
