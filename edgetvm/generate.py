@@ -57,6 +57,8 @@ class StepRecord:
     peak_power_mw: float = 0.0
     throttled_cycles: int = 0
     logits: np.ndarray | None = field(default=None, repr=False)
+    program: str = ""          # the phase program that ran the step (compiled artifacts)
+    wall_s: float = 0.0        # host seconds the step took (emulation included)
 
 
 def feeds_for(kv: KVSpec, ids, past_len: int, past: dict | None):

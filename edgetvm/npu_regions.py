@@ -24,7 +24,7 @@ from .region_ops import (activation_input, attention_roles, bindings, depends_on
 F16 = "float16"
 
 
-def _fit_knobs(m: int, matmuls: dict) -> list:
+def default_knobs(m: int, matmuls: dict) -> list:
     """Default (untuned) knob sets, largest tiles first; the first that fits TCM is used."""
     out = []
     for tm, scale in ((min(m, 32), 1), (min(m, 16), 2), (min(m, 8), 4), (min(m, 4), 8)):
@@ -67,7 +67,7 @@ class KernelCache:
             err = None
             func = cluster.prim_func()
             elementwise = "tile_n" in knob_names(func)
-            for knobs in _fit_knobs(m, matmuls):
+            for knobs in default_knobs(m, matmuls):
                 if elementwise:       # 2-D elementwise clusters also tile their columns
                     knobs["tile_n"] = int(cluster.tensors["x"][0][-1])
                 # a fixed seed: every knob is given, and the result must not vary by run

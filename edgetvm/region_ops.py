@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import re
+
 import numpy as np
 import tvm
 from tvm import relax
@@ -240,3 +242,28 @@ def result_shapes(func, positions, args) -> list:
     ret = func.ret_ty
     fields = ret.fields if isinstance(ret, relax.TupleType) else [ret]
     return [eval_shape(f.shape.values, env) for f in fields]
+
+
+def past_input(region) -> tuple:
+    """(layer, "key" | "value", runtime arg position) of a KV-append region's past input
+    (``past_key_values_<n>_key`` at the call site)."""
+    for k, pos in enumerate(region.runtime_positions):
+        m = re.fullmatch(r"past_key_values_(\d+)_(key|value)", region.arg_names[pos] or "")
+        if m:
+            return int(m.group(1)), m.group(2), k
+    raise ValueError(f"KV append region {region.index} does not read a past_key_values input")
+
+
+def causal_mask_problem(mask, pos: int, s: int) -> str | None:
+    """What is wrong with an additive attention ``mask`` (..., s, pos + s) as the causal
+    mask of queries at ``pos..pos + s - 1`` (0 where key j <= the query's position, <= -1e4
+    elsewhere), or None when it is that mask."""
+    total = pos + s
+    m = np.asarray(mask).reshape(-1, np.shape(mask)[-2], np.shape(mask)[-1])
+    if m.shape[-2:] != (s, total):
+        return f"mask of shape {np.shape(mask)}, expected (..., {s}, {total})"
+    visible = np.arange(total)[None, :] <= (pos + np.arange(s))[:, None]
+    if np.all(m[:, visible] == 0) and np.all(m[:, ~visible] <= -1e4):
+        return None
+    return ("the model adds a bias that is not the causal mask (an additive position bias "
+            "such as ALiBi, or padding); the NPU attention kernel masks by causality only")

@@ -1,18 +1,27 @@
-"""``python -m edgetvm.run model.onnx --prompt-ids 1,2,3 --max-new-tokens 8``
+"""``python -m edgetvm.run model.npu --prompt-ids 1,2,3 --max-new-tokens 8``
 
-Compile an LLM (optimum text-generation-with-past ONNX export) for the NPU with the
-default, untuned schedules, run prefill then greedy decode on the emulator, and print the
-tokens with each step's emulated NPU latency and DRAM traffic. ``--check-onnx`` runs
-onnxruntime on the same file step by step (present fed back as past) and fails unless the
-generated ids are identical and every step's logits agree within
-``atol + rtol * max|reference logits|`` (fp16 activations on the NPU vs fp32 onnxruntime).
-``--chunk C`` runs the prompt as chunked prefill: chunks of C tokens, each attending to the
-KV of the earlier ones, so one static prefill program (C rows) serves every prompt length.
+Run a compiled model (``python -m edgetvm.build``) on the emulated NPU: prefill, then
+greedy decode, one whole-phase program per step, and print the tokens with each step's
+emulated latency, DRAM traffic, energy and power. Nothing is compiled at run time.
+
+Given an ONNX file instead, ``run`` builds it first into a cache (``$EDGETVM_CACHE``,
+default ``~/.cache/edgetvm``; the same file and options reuse the build), or, with
+``--reference``, runs it region by region through the Relax VM (the reference path: every
+NPU region its own kernel and emulator run, the glue on the host).
+
+``--check-onnx [MODEL.onnx]`` runs onnxruntime on the ONNX file step by step (present fed
+back as past) and fails unless the generated ids are identical and every step's logits
+agree within ``atol + rtol * max|reference logits|`` (fp16 activations on the NPU vs fp32
+onnxruntime). ``--chunk C`` runs the prompt as chunked prefill (chunks of C tokens, each
+attending to the KV of the earlier ones).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
+import os
 import sys
 
 import numpy as np
@@ -48,9 +57,10 @@ def _layer_names(text: str) -> tuple:
 
 
 def compare_logits(recs, ref, atol: float, rtol: float) -> tuple:
-    """(all steps within tolerance, worst diff, its allowance) over matching steps."""
+    """(all steps within tolerance, worst diff, its allowance) over the steps that give a
+    token (a prompt may be run in other chunks on each side)."""
     ok, worst, allowed = True, 0.0, 0.0
-    for a, b in zip(recs, ref):
+    for a, b in zip([r for r in recs if r.token >= 0], [r for r in ref if r.token >= 0]):
         diff = float(np.abs(a.logits - b.logits).max())
         tol = atol + rtol * float(np.abs(b.logits).max())
         ok &= diff <= tol
@@ -59,15 +69,112 @@ def compare_logits(recs, ref, atol: float, rtol: float) -> tuple:
     return ok, worst, allowed
 
 
+HEADER = (f"{'step':<5} {'phase':<8} {'token':>7} {'npu_us':>10} {'npu_cycles':>11} "
+          f"{'dram_read_B':>12} {'dram_write_B':>12} {'energy_uJ':>10} {'avg_mW':>7} "
+          f"{'peak_mW':>7} {'throttled':>9}")
+
+
+def format_step(k: int, rec) -> str:
+    return (f"{k:<5} {rec.phase:<8} {rec.token:>7} {rec.npu_us:>10.1f} {rec.npu_cycles:>11} "
+            f"{rec.dram_read_bytes:>12} {rec.dram_write_bytes:>12} {rec.energy_uj:>10.2f} "
+            f"{rec.avg_power_mw:>7.0f} {rec.peak_power_mw:>7.0f} {rec.throttled_cycles:>9}")
+
+
+def _quantizer(args):
+    if not args.quantize:
+        return None
+    from edgetvm.relax_passes import QuantizeW4A16
+    keep = {} if args.keep_fp16 is None else {"keep_fp16": args.keep_fp16}
+    return QuantizeW4A16(group_size=args.quantize, zero_points=args.zero_points, **keep)
+
+
+def cache_dir() -> str:
+    return os.environ.get("EDGETVM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                           "edgetvm")
+
+
+def cached_build(args) -> str:
+    """Build ``args.model`` into the cache unless an identical build is there; the path."""
+    from edgetvm import __version__
+    from edgetvm.build.cli import DEFAULT_BUCKETS, build, file_sha256
+    from edgetvm.target.spec import EMULATOR_MODEL_VERSION, load_spec
+
+    spec = load_spec(args.target or "edge-npu-16mb")
+    options = {"onnx": file_sha256(args.model), "target": spec.hash(), "profile": args.profile,
+               "strategy": args.strategy, "chunk": args.chunk, "quantize": args.quantize,
+               "zero_points": args.zero_points, "keep_fp16": args.keep_fp16,
+               "max_tokens": args.max_tokens, "buckets": list(DEFAULT_BUCKETS),
+               "edgetvm": __version__, "emulator_model": EMULATOR_MODEL_VERSION}
+    digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:20]
+    path = os.path.join(cache_dir(), f"{os.path.basename(args.model)}.{digest}.npu")
+    if os.path.exists(path):
+        print(f"using the build in {path}", flush=True)
+        return path
+    os.makedirs(cache_dir(), exist_ok=True)
+    print(f"building {args.model} for {spec.name} into {path} ...", flush=True)
+    build(args.model, path, target=spec, profile=args.profile, strategy=args.strategy,
+          chunk=args.chunk, quantize=_quantizer(args), max_tokens=args.max_tokens,
+          progress=not args.quiet)
+    return path
+
+
+def run_artifact(path: str, args) -> list:
+    """Generate with the model.npu at ``path``; prints the step table; the records."""
+    from edgetvm.runner import connect
+    from edgetvm.runtime.artifact import load_artifact
+    from edgetvm.runtime.model import ModelRunner
+    from edgetvm.target.spec import load_spec
+
+    art = load_artifact(path)
+    m = art.manifest
+    spec = load_spec(args.target or m["target"]["name"])
+    if spec.hash() != m["target"]["hash"]:
+        raise EdgeTVMError(f"{path} was built for {m['target']['name']} "
+                           f"({m['target']['hash']}); this edgetvm's spec hashes to "
+                           f"{spec.hash()}: rebuild it")
+    runner = connect(args.rpc or "local", spec=spec)
+    model = ModelRunner(art.program, art.keys, art.info, runner,
+                        profile=args.profile or m.get("profile"))
+    if m.get("quantization_report"):
+        print(m["quantization_report"], flush=True)
+    print(f"{path}: {len(art.keys)} programs ({m['strategy']} partition) for "
+          f"{m['target']['name']}; running {args.max_new_tokens} step(s) on "
+          f"{args.rpc or 'the local emulator'}", flush=True)
+    print(HEADER)
+    seen: list = []
+
+    def show(rec):
+        print(format_step(len(seen), rec), flush=True)
+        seen.append(rec)
+    recs = model.generate(args.prompt_ids, args.max_new_tokens, chunk=args.chunk,
+                          on_step=show, trace_first="decode" if args.trace else None)
+    if args.trace:
+        from edgetvm.target.emulator import write_chrome_trace
+        key, result = model.traced
+        write_chrome_trace(result, spec, args.trace)
+        print(f"wrote a Chrome trace of the first {key[0]} step to {args.trace} "
+              f"(open it in https://ui.perfetto.dev)", flush=True)
+    runner.close()
+    return recs
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m edgetvm.run", description=__doc__.split("\n")[2])
-    ap.add_argument("model", help="ONNX file (text-generation-with-past export)")
+    ap = argparse.ArgumentParser(prog="python -m edgetvm.run",
+                                 description=__doc__.split("\n")[2])
+    ap.add_argument("model", help="model.npu (python -m edgetvm.build), or an ONNX file "
+                                  "(text-generation-with-past export)")
     ap.add_argument("--prompt-ids", type=_ids, required=True, help="e.g. 1,504,3575")
     ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--target", default="edge-npu-16mb", help="NPU preset or spec JSON")
+    ap.add_argument("--target", default=None,
+                    help="NPU preset or spec JSON (default: the artifact's, or edge-npu-16mb)")
     ap.add_argument("--profile", default=None, help="power profile (default: the spec's)")
-    ap.add_argument("--check-onnx", action="store_true",
-                    help="compare every step with onnxruntime; exit 1 on a mismatch")
+    ap.add_argument("--rpc", default=None, metavar="URL",
+                    help="run on an emulator server: rpc://HOST:PORT or tracker://HOST:PORT/KEY")
+    ap.add_argument("--trace", default=None, metavar="STEP.json",
+                    help="write a Chrome trace (ui.perfetto.dev) of the first decode step")
+    ap.add_argument("--check-onnx", nargs="?", const=True, default=None, metavar="MODEL.onnx",
+                    help="compare every step with onnxruntime on this ONNX file (the model "
+                         "itself when it is one); exit 1 on a mismatch")
     ap.add_argument("--atol", type=float, default=DEFAULT_ATOL,
                     help=f"absolute logits tolerance of --check-onnx (default {DEFAULT_ATOL})")
     ap.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
@@ -75,19 +182,27 @@ def main(argv=None) -> int:
                          f"(default {DEFAULT_RTOL})")
     ap.add_argument("--chunk", type=int, default=None, metavar="C",
                     help="chunked prefill with chunks of C tokens")
-    ap.add_argument("--max-tokens", type=int, default=1024,
-                    help="KV cache capacity in tokens (default 1024)")
-    ap.add_argument("--quantize", type=int, choices=(32, 64, 128), default=None, metavar="G",
-                    help="quantize fp32/fp16 linears to W4A16 with group size G (32/64/128); "
-                         "--check-onnx then compares against the unquantized model")
-    ap.add_argument("--zero-points", choices=ZERO_POINT_KINDS, default="float",
-                    help="with --quantize: float (default; fitted scale and fp16 zero point "
-                         "per group, 5.0 bits/weight at G=32), none (symmetric, 4.5) or "
-                         "uint4 (4.75)")
-    ap.add_argument("--keep-fp16", type=_layer_names, default=None, metavar="LAYERS",
-                    help="with --quantize: comma-separated layers that stay fp16, of "
-                         f"{', '.join(KEEP_FP16_LAYERS)}, or none (default: embedding, the "
-                         "table and a tied lm_head that is that table)")
+    build = ap.add_argument_group("building an ONNX file (ignored for model.npu)")
+    build.add_argument("--strategy", default="regions",
+                       help="fusion partition (see python -m edgetvm.build)")
+    build.add_argument("--max-tokens", type=int, default=1024,
+                       help="KV cache capacity in tokens (default 1024)")
+    build.add_argument("--quantize", type=int, choices=(32, 64, 128), default=None,
+                       metavar="G", help="quantize fp32/fp16 linears to W4A16 with group size "
+                                         "G; --check-onnx then compares against the "
+                                         "unquantized model")
+    build.add_argument("--zero-points", choices=ZERO_POINT_KINDS, default="float",
+                       help="with --quantize: float (default; fitted scale and fp16 zero "
+                            "point per group, 5.0 bits/weight at G=32), none (symmetric, "
+                            "4.5) or uint4 (4.75)")
+    build.add_argument("--keep-fp16", type=_layer_names, default=None, metavar="LAYERS",
+                       help="with --quantize: comma-separated layers that stay fp16, of "
+                            f"{', '.join(KEEP_FP16_LAYERS)}, or none (default: embedding, "
+                            "the table and a tied lm_head that is that table)")
+    build.add_argument("--reference", action="store_true",
+                       help="run the ONNX file region by region (Relax VM + one emulator run "
+                            "per kernel) instead of building it")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1:
@@ -96,60 +211,68 @@ def main(argv=None) -> int:
         ap.error("--chunk must be >= 1")
     if args.quantize is None and (args.keep_fp16 is not None or args.zero_points != "float"):
         ap.error("--zero-points and --keep-fp16 apply to --quantize G")
+    is_artifact = args.model.endswith(".npu")
+    if is_artifact and args.reference:
+        ap.error("--reference runs an ONNX file")
+    if is_artifact and args.check_onnx is True:
+        ap.error("--check-onnx needs the ONNX file to compare a model.npu with")
+    if args.reference and (args.rpc or args.trace):
+        ap.error("--rpc and --trace run compiled models, not the --reference path")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")
     try:
-        from edgetvm.generate import KVSpec, greedy, onnxruntime_runner, tokens_of
-        from edgetvm.relax_passes import QuantizeW4A16
-        from edgetvm.session import NPUSession
-
-        kv = KVSpec.of(args.model)
-        print(f"compiling {args.model} for {args.target} ...", flush=True)
-        extra = {"row_buckets": (args.chunk,)} if args.chunk else {}
-        quantize = None
-        if args.quantize:
-            keep = {} if args.keep_fp16 is None else {"keep_fp16": args.keep_fp16}
-            quantize = QuantizeW4A16(group_size=args.quantize, zero_points=args.zero_points,
-                                     **keep)
-        session = NPUSession(args.model, args.target, args.profile,
-                             max_tokens=args.max_tokens, quantize=quantize, **extra)
-        if session.quant_report is not None:
-            print(session.quant_report.summary(), flush=True)
-        print(f"{len(session.regions)} regions on the NPU; running "
-              f"{args.max_new_tokens} step(s)", flush=True)
-        print(f"{'step':<5} {'phase':<8} {'token':>7} {'npu_us':>10} {'npu_cycles':>11} "
-              f"{'dram_read_B':>12} {'dram_write_B':>12} {'energy_uJ':>10} {'avg_mW':>7} "
-              f"{'peak_mW':>7} {'throttled':>9}")
-
-        def show(rec):
-            us = session.spec.cycles_to_us(rec.npu_cycles)
-            rec.npu_us = us
-            print(f"{len(records_seen):<5} {rec.phase:<8} {rec.token:>7} {us:>10.1f} "
-                  f"{rec.npu_cycles:>11} {rec.dram_read_bytes:>12} {rec.dram_write_bytes:>12} "
-                  f"{rec.energy_uj:>10.2f} {rec.avg_power_mw:>7.0f} {rec.peak_power_mw:>7.0f} "
-                  f"{rec.throttled_cycles:>9}", flush=True)
-            records_seen.append(rec)
-
-        records_seen: list = []
-        recs = greedy(session, kv, args.prompt_ids, args.max_new_tokens, on_step=show,
-                      chunk=args.chunk)
-        ids = tokens_of(recs)
-        print("generated ids:", ",".join(map(str, ids)))
-        if args.check_onnx:
-            ref = greedy(onnxruntime_runner(args.model), kv, args.prompt_ids,
-                         args.max_new_tokens, chunk=args.chunk)
-            ok, worst, allowed = compare_logits(recs, ref, args.atol, args.rtol)
-            same = ids == tokens_of(ref)
-            print(f"onnxruntime ids: {','.join(map(str, tokens_of(ref)))}")
-            print(f"check-onnx: ids {'identical' if same else 'DIFFER'}; worst step: max "
-                  f"|logits diff| {worst:.3e}, allowed {allowed:.3e} "
-                  f"(atol {args.atol} + rtol {args.rtol} * max|logit|)")
-            if not same or not ok:
-                return 1
+        if args.reference:
+            recs = run_reference(args)
+        else:
+            recs = run_artifact(args.model if is_artifact else cached_build(args), args)
+        return _report(recs, args)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+
+
+def run_reference(args) -> list:
+    from edgetvm.generate import KVSpec, greedy
+    from edgetvm.session import NPUSession
+
+    kv = KVSpec.of(args.model)
+    print(f"compiling {args.model} (reference path) ...", flush=True)
+    extra = {"row_buckets": (args.chunk,)} if args.chunk else {}
+    session = NPUSession(args.model, args.target or "edge-npu-16mb", args.profile,
+                         max_tokens=args.max_tokens,
+                         quantize=_quantizer(args), **extra)
+    if session.quant_report is not None:
+        print(session.quant_report.summary(), flush=True)
+    print(f"{len(session.regions)} regions on the NPU; running {args.max_new_tokens} "
+          f"step(s)", flush=True)
+    print(HEADER)
+    seen: list = []
+
+    def show(rec):
+        rec.npu_us = session.spec.cycles_to_us(rec.npu_cycles)
+        print(format_step(len(seen), rec), flush=True)
+        seen.append(rec)
+    return greedy(session, kv, args.prompt_ids, args.max_new_tokens, on_step=show,
+                  chunk=args.chunk)
+
+
+def _report(recs, args) -> int:
+    from edgetvm.generate import KVSpec, greedy, onnxruntime_runner, tokens_of
+
+    ids = tokens_of(recs)
+    print("generated ids:", ",".join(map(str, ids)))
+    if not args.check_onnx:
+        return 0
+    onnx_path = args.model if args.check_onnx is True else args.check_onnx
+    ref = greedy(onnxruntime_runner(onnx_path), KVSpec.of(onnx_path), args.prompt_ids,
+                 args.max_new_tokens, chunk=args.chunk)
+    ok, worst, allowed = compare_logits(recs, ref, args.atol, args.rtol)
+    same = ids == tokens_of(ref)
+    print(f"onnxruntime ids: {','.join(map(str, tokens_of(ref)))}")
+    print(f"check-onnx: ids {'identical' if same else 'DIFFER'}; worst step: max "
+          f"|logits diff| {worst:.3e}, allowed {allowed:.3e} "
+          f"(atol {args.atol} + rtol {args.rtol} * max|logit|)")
+    return 0 if same and ok else 1
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -44,7 +43,8 @@ from .kv_state import KVState, capacity_bucket
 from .npu_regions import (KernelCache, build_cluster, offloadable, passthrough_outputs,
                           rows_of, unsound_offloads)
 from .offload import offload_regions
-from .region_ops import activation_input, attention_roles, param_index, result_shapes, rope_roles
+from .region_ops import (activation_input, attention_roles, causal_mask_problem, param_index,
+                         past_input, result_shapes, rope_roles)
 
 log = logging.getLogger("edgetvm")
 _SESSION_IDS = itertools.count()
@@ -140,7 +140,7 @@ class NPUSession:
         shapes = [self.imported.mod["main"].params[i].ty.shape.values
                   for i, n in enumerate(self.imported.input_names) if "past_key_values" in n]
         kv_heads, head_dim = int(shapes[0][1]), int(shapes[0][3])
-        layers = len({_past_input(r)[0] for r in kv_regions})
+        layers = len({past_input(r)[0] for r in kv_regions})
         return self._new_kv_state(layers, kv_heads, head_dim)
 
     def _new_kv_state(self, layers: int, kv_heads: int, head_dim: int) -> KVState:
@@ -306,7 +306,7 @@ class NPUSession:
         append kernel writes only them; attention reads the pages). The region's value is
         the ``present`` of the ONNX graph, a graph output a caller may read: it is returned
         with its data, the given past followed by the new tokens."""
-        layer, which, past_at = _past_input(region)
+        layer, which, past_at = past_input(region)
 
         def run(*args):
             past = args[past_at].numpy()
@@ -408,7 +408,7 @@ class NPUSession:
         roles = attention_roles(region.func)
         hq, d = int(region.attrs["edgetvm.num_heads"]), int(region.attrs["edgetvm.head_dim"])
         k_source = region.arg_sources[roles["k"]]
-        layer_of_k = _past_input(k_source)[0] if getattr(k_source, "kind", None) == \
+        layer_of_k = past_input(k_source)[0] if getattr(k_source, "kind", None) == \
             "kv_append" else None
 
         def run(*args):
@@ -491,18 +491,10 @@ def _kernel_input_order(region):
 
 def _check_causal_mask(mask, pos: int, s: int, index: int) -> None:
     """Raise unless the additive ``mask`` (..., s, pos + s) is the causal mask of queries at
-    ``pos..pos + s - 1``: 0 where key j <= query position, <= -1e4 elsewhere."""
-    total = pos + s
-    m = mask.reshape(-1, mask.shape[-2], mask.shape[-1])
-    if m.shape[-2:] != (s, total):
-        raise EdgeTVMError(f"attention region {index}: mask of shape {mask.shape}, expected "
-                           f"(..., {s}, {total})")
-    visible = np.arange(total)[None, :] <= (pos + np.arange(s))[:, None]
-    ok = np.all(m[:, visible] == 0) and np.all(m[:, ~visible] <= -1e4)
-    if not ok:
-        raise EdgeTVMError(f"attention region {index}: the model adds a bias that is not the "
-                           f"causal mask (an additive position bias such as ALiBi, or "
-                           f"padding); the NPU attention kernel masks by causality only")
+    ``pos..pos + s - 1`` (see :func:`~edgetvm.region_ops.causal_mask_problem`)."""
+    problem = causal_mask_problem(mask, pos, s)
+    if problem:
+        raise EdgeTVMError(f"attention region {index}: {problem}")
 
 
 def _heads_major(x, kv_heads: int, head_dim: int):
@@ -515,15 +507,3 @@ def _heads_major(x, kv_heads: int, head_dim: int):
     if x.ndim == 4 and x.shape[1] != kv_heads and x.shape[2] == kv_heads:
         return x.transpose(0, 2, 1, 3)
     return x
-
-
-def _past_input(region) -> tuple:
-    """(layer, "key" | "value", runtime arg position) of a KV-append region's past input
-    (``past_key_values_<n>_key`` at the call site)."""
-    for k, pos in enumerate(region.runtime_positions):
-        m = re.fullmatch(r"past_key_values_(\d+)_(key|value)", region.arg_names[pos] or "")
-        if m:
-            return int(m.group(1)), m.group(2), k
-    raise EdgeTVMError(f"KV append region {region.index} does not read a past_key_values input")
-
-

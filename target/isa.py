@@ -49,7 +49,9 @@ Commands
     a fallback op run on the host CPU over whole DRAM tensors (see ``host_ops.py``).
 ``Launch``
     a kernel boundary: waits until every unit is idle, then costs the spec's
-    ``launch_cycles`` (reconfiguration). Fusing kernels saves launches.
+    ``launch_cycles`` (reconfiguration). Fusing kernels saves launches. The TCM keeps its
+    contents, but a kernel may read only bytes it wrote since its launch unless the launch
+    says ``keep_tcm`` (a kernel that reuses data an earlier one left, by design).
 ``End``
     the end of the program: waits until every unit is idle.
 """
@@ -292,6 +294,9 @@ class HostOp(Command):
 @dataclass(frozen=True, kw_only=True)
 class Launch(Command):
     name: str = ""
+    #: the kernel reads what earlier kernels left in the TCM (declared reuse); without it,
+    #: reading TCM bytes the kernel did not write first is refused
+    keep_tcm: bool = False
 
     unit = "all"
 

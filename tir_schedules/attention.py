@@ -23,8 +23,9 @@ op), which is safe because tile 0 always holds a visible key (key 0 is visible t
 query). K and V tiles are loaded once per KV head and used by all its query heads.
 
 Runtime lengths: every op of KV tile ``t`` carries a predicate so one static program
-serves any length up to its capacity: decode predicates on ``valid_len - t0 > 0`` (and
-the page DMAs move only ``valid_len - row0`` rows); chunked prefill on
+serves any length up to its capacity: decode predicates on ``valid_len - t0 > 0`` (a live
+tile's pages are loaded whole: its MMAs must not read TCM rows no DMA wrote, and unused
+page-table entries point at a real page); chunked prefill on
 ``pos + q_end - t0 > 0`` (KV tiles above the chunk's causal diagonal for this q tile
 are not loaded nor computed). Whole-prompt prefill (static length) does not emit those
 tiles at all. The masks use ``npu.mask_len`` (keys >= valid_len) and ``npu.mask_pos``
@@ -108,9 +109,12 @@ class _Attention:
                                                   ("V_load", self.v_cache, self.vt,
                                                    self.slots_kv, self.v_channel)):
                 def iters(lv, pg=pg):
+                    # the tile's predicate, not the page's: every page of a live tile is
+                    # loaded whole, so the MMAs never read TCM rows no DMA wrote (the
+                    # rows past the valid length are masked, but 0 * stale NaN is NaN)
                     row0 = t * tt + pg * rt
-                    return valid.iters(row0) + [("S", (0, self.cap), row0 + lv[0]),
-                                                ("S", (0, d), lv[1])]
+                    return valid.iters(t * tt) + [("S", (0, self.cap), row0 + lv[0]),
+                                                  ("S", (0, d), lv[1])]
 
                 def body(iv, cache=cache, tile=tile):
                     tok, dd = iv[-2], iv[-1]
@@ -118,7 +122,8 @@ class _Attention:
                     return tile, (0, h, tok, dd), src, [src], None
                 kb.op(name, "dma", (rt, d), iters, body,
                       where=lambda lv, pg=pg: t * tt + pg * rt + lv[0] < klen,
-                      ann={"npu.slots": slots, "npu.channel": ch, **valid.ann})
+                      ann={"npu.slots": slots, "npu.channel": ch, **valid.ann,
+                           **({"npu.valid_whole": 1} if valid.ann else {})})
 
     def step(self, h, t, rows, row_base, row_ok, ri, klen, valid, mask_ann):
         """One KV tile for one group of query rows (``ri(row) -> leading indices``)."""

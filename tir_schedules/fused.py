@@ -66,6 +66,8 @@ PIECES = {
     "bias_add": W.bias_add_te,
     "softmax": W.softmax_te,
     "add": W.add_te,
+    "scale": W.scale_te,
+    "copy": W.copy_te,
     "linear_w4a16": W.linear_w4a16_te,
     "linear_fp16": W.linear_fp16_te,
 }

@@ -212,6 +212,20 @@ def add_te(a, b, name: str = "add"):
                       .astype(a.dtype), name=name, attrs=_op("vector:add"))
 
 
+def scale_te(x, imm: float, name: str = "scale"):
+    """``x * imm`` with a constant ``imm`` (Gemma's embedding scale)."""
+    m, n = (int(s) for s in x.shape)
+    return te.compute((m, n), lambda i, j: (x[i, j].astype(F32) * tirx.const(imm, F32))
+                      .astype(x.dtype), name=name, attrs=_op("vector:mul"))
+
+
+def copy_te(x, name: str = "copy"):
+    """``x`` itself: moves rows from one layout into another (partial RoPE's pass-through
+    dimensions)."""
+    m, n = (int(s) for s in x.shape)
+    return te.compute((m, n), lambda i, j: x[i, j], name=name, attrs=_op("vector:copy"))
+
+
 def bias_add_te(x, b, name: str = "bias_add"):
     """``x + b`` with a row-invariant ``b`` (n,): a linear's bias."""
     m, n = (int(s) for s in x.shape)

@@ -38,7 +38,7 @@ from ..isa import (ITEMSIZE, DmaLoad, DmaStore, End, EventSignal, EventWait, Hos
 from ..spec import NPUSpec, load_spec
 from . import functional as F
 from .costs import command_cycles, dma_tcm_traffic, dram_bursts, tcm_traffic
-from .hazards import HazardChecker, Region
+from .hazards import HazardChecker, Region, TcmInit
 from .power import PowerLog, governor_scale
 from .validate import check_dram_bounds, command_name, validate
 
@@ -143,6 +143,7 @@ class Emulator:
         self.units = [f"dma{c}" for c in range(self.spec.dma_channels)] + \
             ["matrix", "vector", "host"]
         self.tcm = np.zeros(self.spec.tcm_bytes, dtype=np.uint8)
+        self.tcm_init = TcmInit(self.spec.tcm_bytes)
         self.state: dict = {}
         self._plans: dict = {}
 
@@ -337,6 +338,7 @@ class _Run:
         self.throttled, self.min_scale = 0.0, clock.scale
         self.parts0 = dict(clock.log.parts)
         emu.tcm[:program.tcm_bytes] = 0   # deterministic: no data from an earlier run
+        emu.tcm_init.start_run()
 
     def execute(self) -> RunResult:
         segment: list = []
@@ -516,6 +518,8 @@ class _Run:
         for u in self.unit_free:
             self.unit_free[u] = self.clock.now
         self.hazards.barrier()
+        if isinstance(cmd, Launch) and not cmd.keep_tcm:
+            self.emu.tcm_init.launch()
 
     # -- execution --------------------------------------------------------------------
     def _dram_window(self, i, ref, rows):
@@ -548,8 +552,10 @@ class _Run:
             const = self.program.tensors[dram_ref.tensor].kind == "const"
             self.hazards.check(i, step.unit, vc, () if const else (dram_region,),
                                (tcm_region,), self.names)
+            self.emu.tcm_init.write((tcm_region,))
         else:
             self.hazards.check(i, step.unit, vc, (tcm_region,), (dram_region,), self.names)
+            self.emu.tcm_init.check(i, (tcm_region,), self.names)
         F.dma(cmd, self.emu.tcm, view, rows)
         isz = ITEMSIZE[tcm_ref.dtype]
         nbytes = rows * tcm_ref.shape[1] * isz
@@ -578,6 +584,8 @@ class _Run:
             self._host(i, cmd, step, vc)
             return
         self.hazards.check(i, step.unit, vc, step.tcm_reads, step.tcm_writes, self.names)
+        self.emu.tcm_init.check(i, step.tcm_reads, self.names)
+        self.emu.tcm_init.write(step.tcm_writes)
         for r in step.tcm_writes + step.tcm_reads:
             self.tcm_high = max(self.tcm_high, r.end)
         rd, wr = tcm_traffic(cmd, self.spec)

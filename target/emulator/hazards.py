@@ -181,3 +181,58 @@ class HazardChecker:
                 k = bisect_right(seqs, floor[w])
                 if k:
                     del seqs[:k], log[:k]
+
+
+class TcmInit:
+    """Which TCM bytes a kernel wrote before reading them.
+
+    A ``Launch`` starts a kernel: whatever earlier kernels left in the TCM is stale for
+    it (unless the launch declares ``keep_tcm``), and a read of bytes that nothing wrote
+    since the launch is refused with the command index (a tile of which a DMA moved only the valid rows, then an MMA over the
+    whole tile, reads the rows an earlier kernel left there). A program without launches
+    (one kernel) starts from the zeroed TCM the emulator gives every run, so this check
+    begins at the first launch. Bytes carry the epoch of their last write and a launch
+    starts a new epoch, so nothing is cleared per kernel.
+    """
+
+    def __init__(self, nbytes: int):
+        self.epoch_of = np.zeros(nbytes, dtype=np.uint16)
+        self.epoch = 0
+        self.active = False
+
+    def start_run(self) -> None:
+        self.active = False
+        self._next()
+
+    def launch(self) -> None:
+        self.active = True
+        self._next()
+
+    def _next(self) -> None:
+        self.epoch += 1
+        if self.epoch == np.iinfo(np.uint16).max:
+            self.epoch_of[:] = 0
+            self.epoch = 1
+
+    def _bytes(self, r: Region):
+        a = self.epoch_of
+        return np.lib.stride_tricks.as_strided(a[r.offset:], (r.rows, r.width),
+                                               (r.stride * a.itemsize, a.itemsize),
+                                               writeable=True)
+
+    def write(self, regions) -> None:
+        for r in regions:
+            self._bytes(r)[...] = self.epoch
+
+    def check(self, index: int, regions, names) -> None:
+        if not self.active:
+            return
+        for r in regions:
+            stale = self._bytes(r) != self.epoch
+            if stale.any():
+                row, col = (int(v[0]) for v in np.nonzero(stale))
+                byte = r.offset + row * r.stride + col
+                raise InvalidProgramError(
+                    f"{names[index]} reads TCM byte {byte} (of {r.describe()}) that nothing "
+                    f"wrote since its kernel was launched: stale data of an earlier kernel",
+                    index)

@@ -31,9 +31,13 @@ def chrome_trace(result, spec) -> dict:
             events.append({"ph": "C", "name": "power_mw", "pid": 1, "ts": float(t) * us,
                            "args": {"mW": float(p)}})
     return {"traceEvents": events, "displayTimeUnit": "ns",
-            "otherData": {"spec": spec.name, "counters": result.counters.to_dict()}}
+            "otherData": {"spec": spec.name, "counters": _counters(result.counters)}}
 
 
 def write_chrome_trace(result, spec, path: str) -> None:
     with open(path, "w") as f:
         json.dump(chrome_trace(result, spec), f)
+
+
+def _counters(c) -> dict:
+    return c.to_dict() if hasattr(c, "to_dict") else dict(c)

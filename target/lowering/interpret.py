@@ -241,7 +241,8 @@ class Interpreter:
                  "slots": int(_ann(loop.annotations, "npu.slots", 1)),
                  "channel": _ann(loop.annotations, "npu.channel", None)}
         attrs["iter_min"] = tuple(env_min[iv.var] for iv in block.iter_vars)
-        for key in ("npu.valid_len", "npu.valid_axis", "npu.mask_len", "npu.mask_pos"):
+        for key in ("npu.valid_len", "npu.valid_axis", "npu.valid_whole", "npu.mask_len",
+                    "npu.mask_pos"):
             if key in loop.annotations:
                 attrs[key[4:]] = _ann(loop.annotations, key)
         kind, _, vop = str(kind_ann).partition(":")

@@ -196,8 +196,9 @@ def _dma(op, unit, kinds, tcm):
     extents, d_str, t_str = _paired_axes(dbox, tbox, dst_strides, tb.strides())
     rows, cols, rs_d, rs_t, offs = _pieces(extents, d_str, t_str, keep_rows=v is not None)
     ch = int(unit[3:])
-    # the runtime repeat count: rows past the valid length are not transferred
-    valid = None if v is None or len(offs) > 1 else v[0] - v[1]
+    # the runtime repeat count: rows past the valid length are not transferred (unless
+    # the op is predicated as a whole: ``npu.valid_whole``)
+    valid = None if v is None or len(offs) > 1 or op.attrs.get("valid_whole") else v[0] - v[1]
     cmds = []
     for od, ot in offs:
         tref = TcmRef(t_off + ot * tb.itemsize, (rows, cols), tb.dtype, rs_t)

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from edgetvm.errors import InvalidProgramError
 from edgetvm.target.builder import ProgramBuilder
 from edgetvm.target.emulator import Emulator
 from edgetvm.target.emulator.functional import tcm_view
@@ -173,16 +174,41 @@ def test_dma_valid_rows_is_a_runtime_repeat_count(spec, n, moved):
     t = b.tcm(x.shape, "float32")
     e = b.event()
     b.emit(DmaLoad(dst=t, src=b.dram("x"), valid_rows=rows, signal=(e,)))
-    store_output(b, t, (e,))
+    b.tensor("y", x.shape, "float32", "output")
+    b.emit(DmaStore(dst=b.dram("y"), src=t, wait=(e,), valid_rows=rows))
     r = Emulator(spec).run(b.build(), {"x": x}, {"n": n})
     want = np.zeros_like(x)
     want[:moved] = x[:moved]
     np.testing.assert_array_equal(r.outputs["y"], want)
-    assert r.counters.dram_read_bytes == moved * 32 * 4
-    assert r.counters.commands_skipped == (1 if moved == 0 else 0)
+    assert r.counters.dram_read_bytes == r.counters.dram_write_bytes == moved * 32 * 4
+    assert r.counters.commands_skipped == (2 if moved == 0 else 0)
     # only the moved rows cost bus time: setup + ceil(bytes / bus width), or nothing
-    load = dma_cycles(spec, moved * 32 * 4) if moved else 0
-    assert r.counters.busy_cycles["dma0"] == load + dma_cycles(spec, 8 * 32 * 4)
+    assert r.counters.busy_cycles["dma0"] == 2 * (dma_cycles(spec, moved * 32 * 4) if moved
+                                                  else 0)
+
+
+def test_reading_tcm_an_earlier_kernel_left_is_refused(spec):
+    # kernel 1 fills the tile; kernel 2 loads 3 of its 8 rows and stores all 8: rows 3..7
+    # are kernel 1's data, stale for kernel 2 (on hardware: whatever was there)
+    x = RNG.standard_normal((8, 32)).astype(np.float32)
+    b = ProgramBuilder("stale_rows", spec)
+    rows = b.param("n")
+    b.tensor("x", x.shape, "float32", "input")
+    b.tensor("y", x.shape, "float32", "output")
+    t = b.tcm(x.shape, "float32")
+    e, f = b.event(), b.event()
+    b.emit(Launch(name="first"))
+    b.emit(DmaLoad(dst=t, src=b.dram("x"), signal=(e,)))
+    b.emit(DmaStore(dst=b.dram("y"), src=t, wait=(e,)))
+    b.emit(Launch(name="second"))
+    b.emit(DmaLoad(dst=t, src=b.dram("x"), valid_rows=rows, signal=(f,)))
+    b.emit(DmaStore(dst=b.dram("y"), src=t, wait=(f,)))
+    program = b.build()
+    Emulator(spec).run(program, {"x": x}, {"n": 8})          # every row rewritten: fine
+    with pytest.raises(InvalidProgramError, match=r"command 5: DmaStore reads TCM byte 384 "
+                                                  r".*nothing wrote since its kernel was "
+                                                  r"launched"):
+        Emulator(spec).run(program, {"x": x}, {"n": 3})
 
 
 @pytest.mark.parametrize("pos", [0, 5, 11])

@@ -26,7 +26,7 @@ def program(spec):
                   signal=(e[3],)))
     b.emit(Vector(op="exp", dst=out, srcs=(out,), when=on))                   # 4 vector, skipped
     b.emit(EventSignal(on="vector", signal=(e[4],)))                          # 5 no time
-    b.emit(Launch(name="store"))                                              # 6 control
+    b.emit(Launch(name="store", keep_tcm=True))                               # 6 control
     b.emit(DmaStore(dst=b.dram("y"), src=out, channel=0))                     # 7 dma0
     return b.build()
 

@@ -1,0 +1,5 @@
+import sys
+
+from edgetvm.build.cli import main
+
+sys.exit(main())

@@ -1,0 +1,172 @@
+"""ModelCompiler: an ONNX LLM to whole-phase NPU programs.
+
+    front end -> LLM semantics -> offload -> per phase and bucket: phase graph ->
+    partition -> kernels (lowered once per distinct shape) -> DRAM plan -> link
+
+``program(phase, rows, pages)`` gives the :class:`~edgetvm.target.isa.Program` that runs
+one whole forward pass: prefill of a ``rows``-token chunk (the length bucket) or a decode
+step, its attention reading up to ``pages`` KV pages (the capacity bucket). Runtime
+parameters: ``ids.<i>`` (token ids), ``pos`` (position of the first new token),
+``valid_len`` (tokens in the cache after the step), ``n_new`` / ``slot_page.<i>`` /
+``slot_offset.<i>`` (where the new K/V go), ``page_table.<i>`` (the sequence's pages) and,
+for prefill, ``last_row`` (the row whose logits are returned).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+
+from edgetvm.frontend import import_onnx
+from edgetvm.npu_regions import offloadable, unsound_offloads
+from edgetvm.offload import offload_regions
+from edgetvm.relax_passes import AnnotateLLMSemantics, QuantizeW4A16
+from edgetvm.relax_passes.partition import STRATEGIES, partition
+from edgetvm.target.spec import load_spec
+from edgetvm.tir_schedules.kv_cache import PAGE_TOKENS, KVCacheLayout
+
+from .graph import BuildError, extract_phase_graph
+from .kernels import KernelBuilder
+from .link import Linker, plan_dram
+from .positions import evaluate_positions
+
+log = logging.getLogger("edgetvm")
+
+
+class ModelCompiler:
+    """Compile ``onnx_path`` (a text-generation-with-past export) for ``spec``."""
+
+    def __init__(self, onnx_path, spec="edge-npu-16mb", *, quantize=None, max_tokens: int = 1024,
+                 strategy: str = "regions", max_rows: int = 512, shape_overrides=None):
+        if strategy not in STRATEGIES:
+            raise BuildError(f"unknown fusion strategy {strategy!r}; known: "
+                             f"{', '.join(STRATEGIES)}")
+        self.spec = load_spec(spec) if isinstance(spec, str) else spec
+        self.strategy = strategy
+        self.max_tokens = int(max_tokens)
+        self.max_rows = int(max_rows)
+        t0 = time.time()
+        imported = import_onnx(onnx_path, shape_overrides=shape_overrides)
+        self.input_names, self.output_names = imported.input_names, imported.output_names
+        mod = imported.mod
+        self.quant_report = None
+        if quantize:
+            qpass = QuantizeW4A16(group_size=quantize) if isinstance(quantize, int) else quantize
+            mod = qpass(mod)
+            from edgetvm.relax_passes.quant_report import quantization_report
+            self.quant_report = quantization_report(mod)
+        mod = AnnotateLLMSemantics()(mod)
+        self.mod, self.regions = offload_regions(mod, offloadable, "edgetvm.npu.build",
+                                                 prune=unsound_offloads)
+        log.info("front end: %d regions on the NPU %s in %.1fs", len(self.regions),
+                 dict(Counter(r.kind for r in self.regions)), time.time() - t0)
+        self._tables: dict = {}
+        self._checked_masks: set = set()
+        self._graphs: dict = {}
+        self._linked: dict = {}
+        self.kernels = None
+        self.layout = None
+
+    @property
+    def page_tokens(self) -> int:
+        return PAGE_TOKENS
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.max_tokens // PAGE_TOKENS)
+
+    def graph(self, phase: str, rows: int, pages: int):
+        """The phase graph of one bucket, its position tables filled in."""
+        key = (phase, rows, pages)
+        g = self._graphs.get(key)
+        if g is not None:
+            return g
+        g, masks = extract_phase_graph(self.mod, self.regions, phase, rows, pages)
+        todo = {n: v for n, v in g.position_tables.items() if n not in self._tables}
+        new_masks = [(m, i) for m, i in masks if id(m) not in self._checked_masks]
+        if todo or new_masks:
+            sub = type(g)(g.phase, g.rows, g.pages, [], {}, g.logits, g.logits_rows,
+                          g.kv_heads, g.head_dim, g.layers, todo)
+            self._tables.update(evaluate_positions(self.mod, self.regions, [sub], new_masks,
+                                                   self.max_tokens + self.max_rows))
+            self._checked_masks |= {id(m) for m, _ in new_masks}
+        for name in g.position_tables:
+            t = g.tensors[name]
+            t.data = self._tables[name]
+            t.shape = t.data.shape
+        if self.layout is None:
+            self.layout = KVCacheLayout(g.kv_heads, g.head_dim, self.num_pages, PAGE_TOKENS)
+            self.kernels = KernelBuilder(self.spec, self.layout)
+        self._graphs[key] = g
+        return g
+
+    def fits(self, graph, group) -> bool:
+        """Does the kernel of this group fit the TCM with some default schedule?"""
+        try:
+            self.kernels.kernel(graph, group)
+            return True
+        except BuildError:
+            return False
+
+    def program(self, phase: str, rows: int, pages: int, strategy: str | None = None,
+                groups=None):
+        """The linked whole-phase program (``groups``: a partition to use instead of the
+        strategy's)."""
+        key = (phase, rows, pages, strategy or self.strategy)
+        cache = groups is None
+        if cache and key in self._linked:
+            return self._linked[key]
+        if rows > self.max_rows:
+            raise BuildError(f"{rows} rows is over the largest bucket ({self.max_rows})")
+        g = self.graph(phase, rows, pages)
+        strategy = strategy or self.strategy
+        if groups is None:
+            groups = partition(g, strategy, fits=lambda grp: self.fits(g, grp))
+        consumers = g.consumers()
+        kernels = [self.kernels.kernel(g, grp, consumers) for grp in groups]
+        plan = plan_dram(g, kernels, self.spec.dram_burst_bytes)
+        linker = Linker(g, plan, self.spec, f"{phase}_{rows}x{pages}p")
+        for k in kernels:
+            linker.add(k)
+        program = linker.build(phase=phase, rows=rows, pages=pages, strategy=strategy,
+                               kernels=[{"name": k.name, "ops": [g.ops[i].name for i in k.ops],
+                                         "knobs": k.knobs} for k in kernels],
+                               arena_bytes=plan.arena_elems * 2,
+                               position_tables=sorted(g.position_tables))
+        if cache:
+            self._linked[key] = program
+        return program
+
+    def phase_keys(self, rows, chunked: bool = False) -> list:
+        """(phase, rows, pages) of the programs a generation run needs: prefill per length
+        bucket from position 0, and the largest bucket at every KV capacity (a prompt
+        longer than it runs as chunks of it, which may start anywhere; ``chunked``: the
+        one chunk size), decode per power-of-two KV capacity."""
+        top = _pow2(self.num_pages)
+        keys = []
+        rows = sorted(set(rows))
+        if rows[-1] > self.max_tokens:
+            raise BuildError(f"a {rows[-1]}-row bucket does not fit a KV cache of "
+                             f"{self.max_tokens} tokens")
+        for r in rows:
+            p = _pow2(-(-r // PAGE_TOKENS))
+            keys.append(("prefill", r, p))
+            while (chunked or r == rows[-1]) and p < top:
+                p *= 2
+                keys.append(("prefill", r, p))
+        p = 1
+        while p <= top:
+            keys.append(("decode", 1, p))
+            p *= 2
+        return keys
+
+
+def _pow2(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+

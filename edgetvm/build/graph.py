@@ -1,0 +1,712 @@
+"""The phase graph: one forward pass of a model, for one phase and bucket, as NPU ops over
+device tensors.
+
+:func:`extract_phase_graph` walks the offloaded Relax ``main`` (``offload.py``: every
+recognised region a call into the NPU, the rest host code) once per phase and bucket and
+gives every value an abstract meaning:
+
+* a **device view** (:class:`~edgetvm.build.views.View`) of a DRAM tensor: region
+  outputs, and the glue on them (reshape, transpose, slice, split, squeeze, casts), which
+  moves no data;
+* a **position value**: host code that depends only on the positions of the step's tokens
+  (RoPE's cos/sin, the causal mask, a learned position embedding): it is evaluated at
+  build time (``positions.py``) into a table indexed by the runtime position ``pos``, or,
+  for the mask, checked to be the causal mask the attention kernel applies by itself;
+* the **token ids** (``input_ids``): the embedding kernel reads them as runtime parameters;
+* the **KV cache** of a layer: persistent paged state, appended to and attended over.
+
+Each region becomes ops: a row-local region (norm, linear, MLP, activation, residual add,
+RoPE) becomes the :class:`~edgetvm.tir_schedules.fused.Stage` ops of its fusion cluster,
+so a partition (``relax_passes/partition.py``) may cut or merge them across regions;
+embedding, KV append and attention are ops of their own templates. Host arithmetic on
+device values that has an NPU stage (an add, a scaling) becomes that stage; anything else
+is refused with an error naming the op, never silently run somewhere it cannot be.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from edgetvm.errors import EdgeTVMError
+from edgetvm.npu_regions import build_cluster, passthrough_outputs
+from edgetvm.region_ops import (activation_input, attention_roles, param_index, past_input,
+                                rope_roles)
+from edgetvm.target.isa import Affine
+from edgetvm.tir_schedules.fused import Stage
+
+from .views import View
+
+Constant = tvm.ir.expr.Constant
+
+F16 = "float16"
+
+
+class BuildError(EdgeTVMError):
+    """The model cannot be compiled into a phase program (the message names the op)."""
+
+
+# -- the graph ---------------------------------------------------------------------------
+@dataclass
+class Tensor:
+    """A DRAM tensor of the phase program.
+
+    ``kind``: ``activation`` (written and read within a step: planned into the arena),
+    ``const`` (weights: the weight pack), ``table`` (a build-time table indexed by the
+    position: in the pack too), ``state`` (the KV cache pages), ``output`` (returned)."""
+
+    name: str
+    shape: tuple
+    dtype: str = F16
+    kind: str = "activation"
+    data: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass
+class Op:
+    """One NPU op of the phase.
+
+    ``kind`` ``stage``: ``stage`` is a row-local op of ``fused.PIECES`` whose inputs name
+    keys of ``inputs``; fusable with its neighbours. ``embedding`` / ``kv_append`` /
+    ``attention``: a kernel of its own template (``attrs`` say which and how).
+    ``inputs`` / ``outputs``: role -> :class:`View` of a graph tensor, in the shape the
+    op's kernel declares for that role."""
+
+    kind: str
+    name: str
+    inputs: dict
+    outputs: dict
+    stage: Stage | None = None
+    attrs: dict = field(default_factory=dict)
+    region: int | None = None
+    layer: int | None = None
+
+    @property
+    def rows(self) -> int:
+        """Rows the op's kernel tiles over (stage ops)."""
+        return int(next(iter(self.outputs.values())).shape[0])
+
+
+@dataclass
+class PhaseGraph:
+    """The ops of one phase program, in program order, over ``tensors``."""
+
+    phase: str                       # prefill | decode
+    rows: int                        # token rows of the program (the bucket)
+    pages: int                       # KV pages the attention kernels can read
+    ops: list
+    tensors: dict
+    logits: str                      # the output tensor
+    logits_rows: str                 # all | last
+    kv_heads: int
+    head_dim: int
+    layers: int
+    position_tables: dict = field(default_factory=dict)   # table name -> var name
+    host_notes: list = field(default_factory=list)        # what stays on the host, why
+
+    def consumers(self) -> dict:
+        """tensor name -> indices of the ops that read it."""
+        out: dict = {}
+        for i, op in enumerate(self.ops):
+            for v in op.inputs.values():
+                out.setdefault(v.tensor, []).append(i)
+        return out
+
+    def producers(self) -> dict:
+        out: dict = {}
+        for i, op in enumerate(self.ops):
+            for v in op.outputs.values():
+                out.setdefault(v.tensor, []).append(i)
+        return out
+
+
+# -- abstract values ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Dev:
+    view: View
+
+
+@dataclass(frozen=True)
+class Pos:
+    """A host value that depends only on the token positions (evaluated at build time)."""
+
+    var: relax.Var
+
+
+@dataclass(frozen=True)
+class Tok:
+    """The token ids (``input_ids``), viewed with this shape."""
+
+    shape: tuple
+
+
+@dataclass(frozen=True)
+class KV:
+    layer: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    pass
+
+
+@dataclass(frozen=True)
+class Const:
+    value: np.ndarray
+
+
+@dataclass(frozen=True)
+class Tup:
+    items: tuple
+
+
+#: glue ops that only re-address their first operand
+_GLUE = {"relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.expand_dims",
+         "relax.squeeze", "relax.astype", "relax.split", "relax.flatten"}
+#: elementwise host ops on device values that have an NPU stage
+_ELEMENTWISE = {"relax.add", "relax.multiply", "relax.subtract"}
+_POSITION_INPUTS = ("position_ids", "attention_mask")
+
+
+class _Extractor:
+    def __init__(self, mod, regions, phase: str, rows: int, pages: int, logits_rows: str):
+        self.main = mod["main"]
+        self.params = {p.name: p for p in self.main.params}
+        self.regions = {r.symbol: r for r in regions}
+        self.phase, self.rows, self.pages = phase, rows, pages
+        self.logits_rows = logits_rows
+        self.env: dict = {}
+        self.ops: list = []
+        self.tensors: dict = {}
+        self.position_vars: dict = {}        # table tensor name -> relax var
+        self.masks: list = []                # (mask var, region index)
+        self.kv_pending: dict = {}           # layer -> {"key": view, "value": view}
+        self.kv_layout = None
+        self.attention_layers: list = []
+        self.dims = self._bind_dims()
+        self.defs = {b.var: b.value for blk in self.main.body.blocks for b in blk.bindings}
+
+    # -- shapes ----------------------------------------------------------------------------
+    def _bind_dims(self) -> dict:
+        """Symbolic dimension -> value for this bucket: batch 1, ``rows`` new tokens, and a
+        past of 0 (no device tensor's shape may depend on the past: the KV cache is paged
+        state and the mask is checked, not computed)."""
+        env = {}
+        self.seq_var = None
+        for p in self.main.params:
+            shape = getattr(getattr(p.ty, "shape", None), "values", None)
+            if shape is None:
+                continue
+            name = p.name
+            if name == "input_ids" and len(shape) == 2:
+                self.seq_var = shape[1]
+                for expr, v in zip(shape, (1, self.rows)):
+                    if isinstance(expr, tvm.tirx.Var):
+                        env[expr] = v
+            if name.startswith("past_key_values") and len(shape) == 4:
+                for i, v in ((0, 1), (2, 0)):
+                    if isinstance(shape[i], tvm.tirx.Var):
+                        env[shape[i]] = v
+        return env
+
+    def shape(self, ty, what: str) -> tuple:
+        values = getattr(getattr(ty, "shape", None), "values", None)
+        if values is None:
+            raise BuildError(f"{what}: the importer lost its shape; a phase program needs "
+                             f"static shapes per bucket")
+        analyzer = tvm.sym.Analyzer()
+        for var, v in self.dims.items():
+            analyzer.bind(var, tvm.tirx.IntImm(str(var.ty.dtype), v))
+        out = []
+        for e in values:
+            e = analyzer.simplify(e)
+            if not isinstance(e, tvm.tirx.IntImm):
+                raise BuildError(f"{what}: dimension {e} is not known for a bucket of "
+                                 f"{self.rows} rows")
+            out.append(int(e))
+        return tuple(out)
+
+    # -- tensors -----------------------------------------------------------------------------
+    def new_tensor(self, name: str, shape, kind="activation", dtype=F16, data=None) -> View:
+        base, k = name, 1
+        while name in self.tensors:
+            k += 1
+            name = f"{base}~{k}"
+        self.tensors[name] = Tensor(name, tuple(int(s) for s in shape), dtype, kind, data)
+        return View.whole(name, shape)
+
+    def const(self, name: str, array: np.ndarray) -> View:
+        a = np.ascontiguousarray(array)
+        return self.new_tensor(name, a.shape, "const", str(a.dtype), a)
+
+    # -- the walk ------------------------------------------------------------------------------
+    def run(self) -> PhaseGraph:
+        for p in self.main.params:
+            self.env[p] = self._param_value(p)
+        logits_var = self._logits_var()
+        self.logits_producer = self.defs.get(logits_var)
+        for blk in self.main.body.blocks:
+            for b in blk.bindings:
+                try:
+                    self.env[b.var] = self._binding(b.var, b.value)
+                except BuildError:
+                    raise
+                except (ValueError, KeyError, IndexError, TypeError) as e:
+                    raise BuildError(f"binding {b.var.name} = {_describe(b.value)}: {e}") from e
+        if self.kv_pending:
+            raise BuildError(f"layer(s) {sorted(self.kv_pending)} append only one of K and V")
+        logits = self.env[logits_var]
+        if not isinstance(logits, Dev):
+            raise BuildError("the logits are not computed on the NPU")
+        name = logits.view.tensor
+        t = self.tensors[name]
+        if t.kind != "activation" or not logits.view.is_whole(t.shape):
+            raise BuildError("the logits are not the whole output of an NPU kernel")
+        self._rename(name, "logits")
+        self.tensors["logits"].kind = "output"
+        if self.kv_layout is None:
+            raise BuildError("the model has no KV cache on the NPU (a text-generation-with-"
+                             "past export is needed)")
+        hk, d = self.kv_layout
+        return PhaseGraph(self.phase, self.rows, self.pages, self.ops, self.tensors, "logits",
+                          self.logits_rows, hk, d, len(self.attention_layers),
+                          dict(self.position_vars))
+
+    def _rename(self, old: str, new: str) -> None:
+        t = self.tensors.pop(old)
+        t.name = new
+        self.tensors[new] = t
+        for op in self.ops:
+            for views in (op.inputs, op.outputs):
+                for role, v in views.items():
+                    if v.tensor == old:
+                        views[role] = View(new, v.shape, v.strides, v.offset)
+
+    def _logits_var(self):
+        body = self.main.body.body
+        out = self.defs.get(body, body) if isinstance(body, relax.Var) else body
+        fields = out.fields if isinstance(out, relax.Tuple) else [out]
+        return fields[0]
+
+    def _param_value(self, p):
+        name = p.name
+        if name == "input_ids":
+            return Tok(self.shape(p.ty, "input_ids"))
+        if name in _POSITION_INPUTS:
+            return Pos(p)
+        if name.startswith("past_key_values"):
+            return KV(-1)              # the past: its layer is read off the KV append
+        raise BuildError(f"model input {name!r}: a phase program takes input_ids, "
+                         f"attention_mask, position_ids and past_key_values.* only")
+
+    def value(self, e):
+        if isinstance(getattr(e, "ty", None), tvm.ir.PrimType):
+            return Shape()                   # a symbolic dimension or scalar as an operand
+        if isinstance(e, Constant):
+            return Const(e.value.numpy())
+        if isinstance(e, relax.ShapeExpr):
+            return Shape()
+        if isinstance(e, relax.Tuple):
+            return Tup(tuple(self.value(f) for f in e.fields))
+        if isinstance(e, relax.Var):
+            return self.env[e]
+        raise BuildError(f"cannot interpret {type(e).__name__}")
+
+    def _binding(self, var, value):
+        if isinstance(value, relax.Var):
+            return self.value(value)
+        if isinstance(value, relax.Tuple):
+            return self.value(value)
+        if isinstance(value, relax.TupleGetItem):
+            tup = self.value(value.tuple_value)
+            if isinstance(tup, Pos):
+                return Pos(var)
+            if not isinstance(tup, Tup):
+                raise BuildError(f"{var.name}: item of a non-tuple value")
+            return tup.items[value.index]
+        if isinstance(value, Constant):
+            return self.value(value)
+        if not isinstance(value, relax.Call):
+            return Shape()
+        op = value.op
+        if isinstance(op, tvm.ir.Op) and op.name == "relax.call_pure_packed":
+            region = self.regions.get(str(value.args[0].global_symbol))
+            if region is None:
+                raise BuildError(f"{var.name}: call to unknown packed function "
+                                 f"{value.args[0].global_symbol}")
+            return self._region(var, region, [self.value(a) for a in value.args[1:]])
+        name = op.name if isinstance(op, tvm.ir.Op) else str(op)
+        if name == "relax.shape_of":
+            return Shape()
+        args = [self.value(a) for a in value.args]
+        if all(_host_only(a) for a in args):
+            return Pos(var)                 # host code on positions and constants only
+        devs = [a for a in args if isinstance(a, Dev)]
+        if isinstance(op, tvm.ir.Op) and name in _GLUE and devs and args[0] is devs[0]:
+            return self._glue(var, value, name, devs[0].view)
+        if isinstance(op, tvm.ir.Op) and name in _GLUE and isinstance(args[0], Tok):
+            return Tok(self.shape(var.ty, var.name))
+        if isinstance(op, tvm.ir.Op) and name in _ELEMENTWISE and devs:
+            return self._elementwise(var, name, args)
+        kinds = ", ".join(type(a).__name__ for a in args)
+        raise BuildError(f"{var.name} = {name}({kinds}): host code on NPU data with no NPU "
+                         f"kernel; the phase program cannot run it (the region-by-region "
+                         f"reference path can: python -m edgetvm.run model.onnx --reference)")
+
+    # -- glue ---------------------------------------------------------------------------------
+    def _glue(self, var, call, name, view: View):
+        if name == "relax.astype":
+            return Dev(view)                 # activations are fp16 on the device
+        if name == "relax.split":
+            axis = int(call.attrs.axis) % view.ndim
+            n = view.shape[axis]
+            ios = call.attrs.indices_or_sections
+            if isinstance(ios, (int, tvm.tirx.IntImm)):
+                k = int(ios)
+                cuts = [n // k * i for i in range(1, k)]
+            else:
+                cuts = [int(i) for i in ios]
+            bounds = [0] + cuts + [n]
+            return Tup(tuple(Dev(view.slice(axis, b, e)) for b, e in zip(bounds, bounds[1:])))
+        out_shape = self.shape(var.ty, var.name)
+        if name == "relax.permute_dims":
+            axes = call.attrs.axes
+            axes = list(range(view.ndim))[::-1] if axes is None else [int(a) for a in axes]
+            v = view.permute(axes)
+        elif name == "relax.strided_slice":
+            v = view
+            axes, begin, end = (_ints(a) for a in call.args[1:4])
+            strides = _ints(call.args[4]) if len(call.args) > 4 else [1] * len(axes)
+            for a, b, e, s in zip(axes, begin, end, strides):
+                v = v.slice(a, b, min(e, v.shape[a % v.ndim]), s)
+        elif name == "relax.expand_dims":
+            v = view.expand_dims([int(a) for a in call.attrs.axis])
+        elif name == "relax.squeeze":
+            axes = call.attrs.axis
+            v = view.squeeze(None if axes is None else [int(a) for a in axes])
+        else:                                 # reshape, flatten
+            v = view.reshape(out_shape)
+            if v is None:
+                raise BuildError(f"{var.name}: reshape of a strided view to {out_shape} needs "
+                                 f"a copy (no kernel for it yet)")
+        if v.shape != out_shape:
+            raise BuildError(f"{var.name}: {name} gives {v.shape}, the graph says {out_shape}")
+        return Dev(v)
+
+    # -- host arithmetic with an NPU stage ---------------------------------------------------
+    def _elementwise(self, var, name, args):
+        out_shape = self.shape(var.ty, var.name)
+        rows = int(np.prod(out_shape[:-1], dtype=np.int64)) if len(out_shape) > 1 else 1
+        cols = out_shape[-1]
+        if name == "relax.multiply" or name == "relax.subtract":
+            dev = [a for a in args if isinstance(a, Dev)]
+            const = [a for a in args if isinstance(a, Const)]
+            if name == "relax.multiply" and len(dev) == 1 and len(const) == 1 and \
+                    const[0].value.size == 1:
+                x = self.rows_view(dev[0].view, rows, cols, var.name)
+                out = self.new_tensor(f"{var.name}", (rows, cols))
+                self._stage(Stage("scale", ("x",), "y", {"imm": float(const[0].value.reshape(()))}),
+                            {"x": x}, out, var.name)
+                return Dev(out.reshape(out_shape))
+            raise BuildError(f"{var.name} = {name}: only a scaling by a scalar constant has an "
+                             f"NPU stage")
+        views = []
+        for a in args:
+            if isinstance(a, Dev):
+                views.append(self.rows_view(a.view, rows, cols, var.name))
+            elif isinstance(a, Pos):
+                views.append(self.position_view(a.var, rows, cols))
+            else:
+                raise BuildError(f"{var.name} = add of a {type(a).__name__}: no NPU stage")
+        out = self.new_tensor(f"{var.name}", (rows, cols))
+        self._stage(Stage("add", ("x", "x2"), "y"), {"x": views[0], "x2": views[1]}, out,
+                    var.name)
+        return Dev(out.reshape(out_shape))
+
+    def rows_view(self, view: View, rows: int, cols: int, what: str) -> View:
+        v = view.reshape((rows, cols)) if view.size == rows * cols else None
+        if v is None:
+            raise BuildError(f"{what}: the input {view.shape} is not a ({rows}, {cols}) "
+                             f"strided window of one tensor")
+        return v
+
+    def position_view(self, var, rows: int, cols: int) -> View:
+        """A (rows, cols) view of the position table of ``var`` from row ``pos``."""
+        name = f"table.{var.name}"
+        if name not in self.tensors:
+            shape = self.shape(var.ty, var.name)
+            axes = [k for k, e in enumerate(var.ty.shape.values)
+                    if isinstance(e, tvm.tirx.Var) and e.same_as(self.seq_var)]
+            if len(axes) != 1:
+                raise BuildError(f"position value {var.name} of shape {shape} has no single "
+                                 f"axis along the new tokens")
+            width = int(np.prod([d for k, d in enumerate(shape) if k != axes[0]]))
+            self.position_vars[name] = var
+            # rows filled in by positions.py: the table covers every position of the cache
+            self.tensors[name] = Tensor(name, (0, width), F16, "table")
+        width = self.tensors[name].shape[1]
+        if width != cols:
+            raise BuildError(f"position value {var.name}: {width} columns per position, the "
+                             f"kernel reads {cols}")
+        return View(name, (rows, cols), (cols, 1), Affine.param("pos", cols))
+
+    def _stage(self, stage: Stage, inputs: dict, out: View, name: str, region=None,
+               layer=None) -> Op:
+        op = Op("stage", name, dict(inputs), {stage.output: out}, stage, {}, region, layer)
+        self.ops.append(op)
+        return op
+
+    # -- regions ------------------------------------------------------------------------------
+    def _region(self, var, region, args):
+        runtime = dict(zip(region.runtime_positions, args))
+        if all(_host_only(a) for a in args):
+            return Pos(var)                   # e.g. a position embedding lookup
+        kind = region.kind
+        handler = getattr(self, f"_region_{kind}", None)
+        if handler is None:
+            handler = self._region_rowlocal
+        return handler(var, region, runtime)
+
+    def _result_shapes(self, var) -> list:
+        ty = var.ty
+        fields = ty.fields if isinstance(ty, relax.TupleType) else [ty]
+        return [self.shape(f, var.name) for f in fields]
+
+    def _region_embedding(self, var, region, runtime):
+        table = next(v for v in region.args if v is not None and np.ndim(v) == 2)
+        ids = [a for a in runtime.values() if isinstance(a, Tok)]
+        if len(ids) != 1:
+            raise BuildError(f"embedding region {region.index} does not read input_ids")
+        (shape,) = self._result_shapes(var)
+        vocab, hidden = table.shape
+        rows = int(np.prod(ids[0].shape))
+        t = self.const(f"r{region.index}.E", np.asarray(table, np.float16))
+        out = self.new_tensor(f"r{region.index}.out", (rows, hidden))
+        self.ops.append(Op("embedding", f"r{region.index}", {"E": t}, {"out": out},
+                           attrs={"vocab": vocab, "hidden": hidden}, region=region.index))
+        return Dev(out.reshape(shape))
+
+    def _region_kv_append(self, var, region, runtime):
+        layer, which, past_at = past_input(region)
+        new = [a for i, a in enumerate(runtime.values()) if i != past_at and isinstance(a, Dev)]
+        if len(new) != 1:
+            raise BuildError(f"KV append region {region.index}: new tokens are not NPU data")
+        past_name = region.arg_names[region.runtime_positions[past_at]]
+        past_shape = self.shape(self.params[past_name].ty, past_name)
+        _, hk, _, d = past_shape
+        tok = _token_major(new[0].view, hk, d, self.rows, f"KV append region {region.index}")
+        if self.kv_layout is None:
+            self.kv_layout = (hk, d)
+        elif self.kv_layout != (hk, d):
+            raise BuildError("layers with different KV shapes are not supported")
+        pend = self.kv_pending.setdefault(layer, {})
+        pend[which] = tok.reshape((self.rows, hk, 1, d))
+        if len(pend) == 2:
+            del self.kv_pending[layer]
+            self.ops.append(Op("kv_append", f"L{layer}.kv_append",
+                               {"k_new": pend["key"], "v_new": pend["value"]}, {},
+                               attrs={"kv_heads": hk, "head_dim": d}, region=region.index,
+                               layer=layer))
+        return KV(layer)
+
+    def _region_attention(self, var, region, runtime):
+        roles = attention_roles(region.func)
+        hq = int(region.attrs["edgetvm.num_heads"])
+        d = int(region.attrs["edgetvm.head_dim"])
+        scale = float(region.attrs.get("edgetvm.scale", "nan"))
+        scale = scale if scale == scale else d ** -0.5
+        q, k, v = (runtime.get(roles[r]) for r in ("q", "k", "v"))
+        if not (isinstance(k, KV) and isinstance(v, KV) and k.layer == v.layer >= 0):
+            raise BuildError(f"attention region {region.index}: K/V do not come from the "
+                             f"layer's KV cache (a with-past export is needed)")
+        if not isinstance(q, Dev):
+            raise BuildError(f"attention region {region.index}: q is not NPU data")
+        if "mask" in roles:
+            mask = runtime.get(roles["mask"]) if roles["mask"] in runtime else \
+                Const(region.args[roles["mask"]])
+            if isinstance(mask, Pos):
+                self.masks.append((mask.var, region.index))
+            elif not isinstance(mask, Const):
+                raise BuildError(f"attention region {region.index}: its mask is computed from "
+                                 f"NPU data; the kernel masks by causality only")
+            else:
+                self.masks.append((mask.value, region.index))
+        qv = _token_major(q.view, hq, d, self.rows, f"attention region {region.index}")
+        qshape = (hq, d) if self.phase == "decode" else (self.rows, hq, d)
+        (shape,) = self._result_shapes(var)
+        out = self.new_tensor(f"L{k.layer}.attn", (self.rows, hq * d))
+        outv = out.reshape(qshape)
+        self.ops.append(Op("attention", f"L{k.layer}.attention", {"q": qv.reshape(qshape)},
+                           {"out": outv}, attrs={"q_heads": hq, "head_dim": d, "scale": scale},
+                           region=region.index, layer=k.layer))
+        self.attention_layers.append(k.layer)
+        return Dev(out.reshape(shape))
+
+    def _region_rope(self, var, region, runtime):
+        roles = rope_roles(region.func)
+        rotary = int(region.attrs["edgetvm.rotary_dim"])
+        (out_shape,) = self._result_shapes(var)          # (b, h, s, d)
+        b, h, s, d = out_shape
+        x = runtime.get(roles["x"])
+        if not isinstance(x, Dev):
+            raise BuildError(f"RoPE region {region.index}: x is not NPU data")
+        xv = x.view
+        xv = xv.permute((0, 2, 1, 3)) if xv.ndim == 4 else xv.reshape((b, s, h, d))
+        if xv is None or xv.shape != (b, s, h, d):
+            raise BuildError(f"RoPE region {region.index}: cannot address x as (b, s, h, d)")
+        xv = xv.squeeze([0])                                  # (s, h, d)
+        cos_sin = {}
+        for r in ("cos", "sin"):
+            val = runtime.get(roles[r])
+            if not isinstance(val, Pos):
+                raise BuildError(f"RoPE region {region.index}: {r} is not a function of the "
+                                 f"positions")
+            cos_sin[r] = self.position_view(val.var, s, rotary)
+        out = self.new_tensor(f"r{region.index}.rope", (s, h * d))
+        ov = out.reshape((s, h, d))
+        rot_in = xv.slice(2, 0, rotary)
+        rot_out = ov.slice(2, 0, rotary)
+        self._stage(Stage("rope", ("x", "cos", "sin"), "y", {"head_dim": rotary}),
+                    {"x": rot_in, **cos_sin}, rot_out, f"r{region.index}.rope",
+                    region.index)
+        if rotary < d:                        # the dimensions that do not rotate: a copy
+            self._stage(Stage("copy", ("x",), "y"), {"x": xv.slice(2, rotary, d)},
+                        ov.slice(2, rotary, d), f"r{region.index}.pass", region.index)
+        return Dev(ov.expand_dims([0]).permute((0, 2, 1, 3)))
+
+    def _region_rowlocal(self, var, region, runtime):
+        """Norms, linears, MLPs, activations, residual adds: the stages of the region's
+        fusion cluster, its inputs bound to the views of the region's runtime tensors."""
+        shapes = self._result_shapes(var)
+        passthrough = passthrough_outputs(region.func)
+        tensors = [(pos, a) for pos, a in sorted(runtime.items())
+                   if isinstance(region.func.params[pos].ty, relax.TensorType)]
+        order = _kernel_order(region, [p for p, _ in tensors])
+        values = [tensors[i][1] for i in order]
+        if not all(isinstance(a, Dev) for a in values):
+            bad = [type(a).__name__ for a in values if not isinstance(a, Dev)]
+            raise BuildError(f"{region.kind} region {region.index}: inputs {bad} are not NPU "
+                             f"data")
+        y_shape = shapes[passthrough.index(False)] if passthrough else shapes[0]
+        rows = int(np.prod(y_shape[:-1], dtype=np.int64)) if len(y_shape) > 1 else 1
+        last = self.logits_rows == "last" and region.kind in ("lm_head", "linear") and \
+            self.logits_producer is not None and _calls(self.logits_producer, region.symbol)
+        views = [self.rows_view(a.view, rows, a.view.shape[-1], f"{region.kind} region "
+                                f"{region.index}") for a in values]
+        if last and rows > 1:                # prefill: the logits of the last token only
+            views = [View(v.tensor, (1, v.shape[1]), v.strides, v.offset).shifted(
+                Affine.param("last_row", v.strides[0])) for v in views]
+            rows = 1
+        cluster, consts, _, _ = build_cluster(region, [(rows, v.shape[1]) for v in views])
+        names = {}
+        inputs = [n for n in cluster.tensors if n not in cluster.consts]
+        for n, v in zip(inputs, views):
+            want = cluster.tensors[n][0]
+            if tuple(want) != v.shape:
+                raise BuildError(f"{region.kind} region {region.index}: its kernel reads "
+                                 f"{n} as {tuple(want)} (K padded to whole quantization "
+                                 f"groups?), the graph has {v.shape}; not supported yet")
+            names[n] = v
+        for n in cluster.consts:
+            names[n] = self.const(f"r{region.index}.{n}", consts[n])
+        prefix = f"r{region.index}"
+        for st in cluster.stages:
+            shape, _ = _stage_shape(cluster, st)
+            out = self.new_tensor(f"{prefix}.{st.output}", shape)
+            names[st.output] = out
+            self.ops.append(Op("stage", f"{prefix}.{st.output}",
+                               {i: names[i] for i in st.inputs}, {st.output: out}, st, {},
+                               region.index))
+        y = names[cluster.outputs[0]]
+        if last:
+            y_shape = (1,) * (len(y_shape) - 1) + (y_shape[-1],)
+        yv = y.reshape(y_shape)
+        if not passthrough:
+            return Dev(yv)
+        return Tup(tuple(Dev(values[0].view.reshape(shp)) if p else Dev(yv)
+                         for p, shp in zip(passthrough, shapes)))
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _host_only(a) -> bool:
+    """Is this value computed on the host from positions, constants and shapes alone?"""
+    if isinstance(a, Tup):
+        return all(_host_only(x) for x in a.items)
+    return isinstance(a, (Pos, Const, Shape))
+
+
+def _ints(e) -> list:
+    if isinstance(e, relax.Tuple):
+        return [int(f.value) for f in e.fields]
+    if isinstance(e, relax.ShapeExpr):
+        return [int(v) for v in e.values]
+    raise BuildError(f"expected constant integers, got {type(e).__name__}")
+
+
+def _describe(value) -> str:
+    op = getattr(value, "op", None)
+    return getattr(op, "name", type(value).__name__)
+
+
+def _calls(value, symbol: str) -> bool:
+    if isinstance(value, relax.TupleGetItem):
+        value = value.tuple_value
+    return isinstance(value, relax.Call) and value.args and \
+        isinstance(value.args[0], relax.ExternFunc) and \
+        str(value.args[0].global_symbol) == symbol
+
+
+def _token_major(view: View, heads: int, head_dim: int, rows: int, what: str) -> View:
+    """``(rows, heads, head_dim)`` view of per-head values (b, s, heads * d), (b, s, heads,
+    d) or heads-major (b, heads, s, d), as the reference session reads them."""
+    v = view
+    if v.ndim == 3:
+        v = v.reshape((v.shape[0], v.shape[1], heads, head_dim))
+    elif v.ndim == 4 and not (v.shape[1] != heads and v.shape[2] == heads):
+        v = v.permute((0, 2, 1, 3))       # heads-major (b, heads, s, d), as exported
+    if v is None or v.shape != (1, rows, heads, head_dim):
+        raise BuildError(f"{what}: cannot address {view.shape} as ({rows} tokens, {heads} "
+                         f"heads, {head_dim})")
+    return v.squeeze([0])
+
+
+def _kernel_order(region, positions) -> list:
+    """Order of the region's runtime tensors as its kernel reads them (a gated activation:
+    the activation's input first)."""
+    if region.kind == "activation" and region.attrs.get("edgetvm.gated") == "1":
+        gate = param_index(region.func, activation_input(region))
+        first = positions.index(gate)
+        return [first] + [i for i in range(len(positions)) if i != first]
+    return list(range(len(positions)))
+
+
+def _stage_shape(cluster, stage) -> tuple:
+    """(shape, dtype) of a stage's result: rows of its first input, columns from the op."""
+    env = {n: s for n, (s, _) in cluster.tensors.items()}
+    for st in cluster.stages:
+        first = env[st.inputs[0]]
+        if st.op.startswith("linear"):
+            n = cluster.tensors[st.inputs[1]][0][0]
+            env[st.output] = (first[0], n)
+        else:
+            env[st.output] = tuple(first)
+        if st is stage:
+            return env[st.output], F16
+    raise KeyError(stage.output)
+
+
+def extract_phase_graph(mod, regions, phase: str, rows: int, pages: int,
+                        logits_rows: str = "last") -> tuple:
+    """The :class:`PhaseGraph` of one phase and bucket, and the position-only values it
+    needs evaluated (``positions.py``): ``(graph, masks)`` where ``masks`` lists the
+    attention masks to check, as (relax var or constant array, region index)."""
+    if phase not in ("prefill", "decode"):
+        raise ValueError(f"phase must be prefill or decode, not {phase!r}")
+    ex = _Extractor(mod, regions, phase, rows, pages, logits_rows)
+    return ex.run(), ex.masks

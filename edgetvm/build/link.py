@@ -1,0 +1,261 @@
+"""Linking a phase's kernels into ONE static command stream.
+
+Every kernel was lowered position-independent, over its own tensor names. Linking:
+
+* plans DRAM: the activations of the step share one arena (``act``), each at an offset
+  reused once its last reader has run (first fit by lifetime, burst-aligned), so the
+  arena's size is the step's DRAM high-water mark for activations; weights and position
+  tables are ``const`` tensors (the weight pack), the KV cache pages ``state``, the
+  logits the ``output``;
+* relocates each kernel's DMA windows onto the tensors its bindings name, through the
+  views: a reshape, a head transpose, a column slice of a fused projection is an address
+  pattern here. A window whose rows do not map to one stride (or whose columns are not
+  contiguous in the target) is split into as many DMAs as it takes, each paying its own
+  set-up: the emulator charges what the layout costs;
+* renumbers events and puts a ``Launch`` (all units idle, then the kernel's set-up cost)
+  before every kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from edgetvm.target.builder import ProgramBuilder
+from edgetvm.target.isa import Affine, DmaLoad, DmaStore, DramRef, End, HostOp, Launch, as_affine
+
+from .graph import BuildError, PhaseGraph
+from .views import View, contiguous_strides
+
+ARENA = "act"
+
+
+@dataclasses.dataclass
+class DramPlan:
+    """Where each graph tensor lives in the program: ``(program tensor, element offset)``."""
+
+    place: dict
+    arena_elems: int
+    lifetimes: dict
+
+
+def plan_dram(graph: PhaseGraph, kernels: list, align_bytes: int = 64) -> DramPlan:
+    """Arena offsets for the activations by lifetime (kernel index of the first write to the
+    last read); the other tensors keep their own names."""
+    first, last = {}, {}
+    for k, kern in enumerate(kernels):               # tensors a kernel moves to or from DRAM
+        for v in kern.bindings.values():
+            first.setdefault(v.tensor, k)
+            last[v.tensor] = k
+    align = max(1, align_bytes // 2)          # activations are fp16
+    placed: list = []                          # (start, end, offset, size)
+    place = {}
+    lifetimes = {}
+    for name in sorted((n for n, t in graph.tensors.items() if t.kind == "activation"),
+                       key=lambda n: (first.get(n, 0), n)):
+        t = graph.tensors[name]
+        if t.dtype != "float16":
+            raise BuildError(f"activation {name} is {t.dtype}; the arena holds float16")
+        if name not in first:
+            continue                                # stays in a kernel's TCM
+        life = (first[name], last[name])
+        lifetimes[name] = life
+        busy = sorted((o, o + s) for a, b, o, s in placed if not (b < life[0] or a > life[1]))
+        offset = 0
+        for lo, hi in busy:
+            if offset + t.size <= lo:
+                break
+            offset = max(offset, -(-hi // align) * align)
+        placed.append((life[0], life[1], offset, t.size))
+        place[name] = (ARENA, offset)
+    for name, t in graph.tensors.items():
+        if t.kind != "activation":
+            place[name] = (name, 0)
+    arena = max((o + s for _, _, o, s in placed), default=0)
+    return DramPlan(place, -(-arena // align) * align, lifetimes)
+
+
+# -- relocation -----------------------------------------------------------------------------
+def _run_length(view: View) -> int:
+    """Elements of the view (row-major) that are contiguous in memory, from an aligned start."""
+    run = 1
+    for n, s in zip(reversed(view.shape), reversed(view.strides)):
+        if n == 1:
+            continue
+        if s != run:
+            break
+        run *= n
+    return run
+
+
+def _targets(view: View, flat: np.ndarray) -> np.ndarray:
+    """Static memory offsets of the view's row-major elements ``flat``."""
+    idx = np.unravel_index(flat, view.shape) if view.ndim else ()
+    out = np.full(flat.shape, view.offset.const, np.int64)
+    for i, s in zip(idx, view.strides):
+        out += i.astype(np.int64) * s
+    return out
+
+
+def relocate_window(ref: DramRef, view: View, tensor: str, base: int) -> list:
+    """The DMA windows of ``tensor`` (at element ``base``) that the window ``ref`` of a
+    kernel tensor bound to ``view`` covers: ``[(DramRef, row0, rows, col0, cols)]`` with the
+    part of ``ref`` each one moves (rows and columns of ``ref``'s window)."""
+    rows, cols = ref.shape
+    runtime = Affine(0, view.offset.terms)
+    if view.strides == contiguous_strides(view.shape):            # flat: rename and shift
+        off = as_affine(ref.offset) + view.offset + base
+        return [(DramRef(tensor, ref.shape, ref.row_stride, _value(off)), 0, rows, 0, cols)]
+    if as_affine(ref.offset).terms:
+        raise BuildError(f"a kernel window at a runtime offset ({ref.offset}) into a strided "
+                         f"view of {view.tensor}")
+    off = as_affine(ref.offset).const
+    run = _run_length(view)
+    starts = off + np.arange(rows, dtype=np.int64) * ref.row_stride
+    pieces = []
+    if cols == 1 or np.all(starts % run + cols <= run):
+        segments = [(0, cols)]
+    elif rows == 1 or ref.row_stride % run == 0:
+        first = int(starts[0])                       # every row cut at the same columns
+        cuts = [0] + [c for c in range(1, cols) if (first + c) % run == 0] + [cols]
+        segments = list(zip(cuts[:-1], np.diff(cuts)))
+    else:                                             # rows cut differently: row by row
+        for r in range(rows):
+            row = DramRef(ref.tensor, (1, cols), cols, int(starts[r]))
+            pieces += [(d, r, 1, c0, m) for d, _, _, c0, m in
+                       relocate_window(row, view, tensor, base)]
+        return pieces
+    for c0, n in segments:
+        t = _targets(view, starts + c0) + base
+        r0 = 0
+        while r0 < rows:                              # maximal runs of one row stride
+            r1 = r0 + 1
+            if r1 < rows:
+                step = int(t[r1] - t[r0])
+                while r1 + 1 < rows and int(t[r1 + 1] - t[r1]) == step:
+                    r1 += 1
+                r1 += 1
+                stride = step
+            else:
+                stride = int(n)
+            if r1 - r0 == 1:
+                stride = int(n)
+            if stride < 0:
+                raise BuildError(f"a view of {view.tensor} walks rows backwards")
+            pieces.append((DramRef(tensor, (r1 - r0, int(n)), max(stride, 1),
+                                   _value(runtime + int(t[r0]))), r0, r1 - r0, int(c0), int(n)))
+            r0 = r1
+    return pieces
+
+
+def _value(a: Affine):
+    return a.const if not a.terms else a
+
+
+def _split_dma(cmd, pieces: list) -> list:
+    """``cmd`` (a load or store) as one command per relocated piece; the first keeps the
+    waits, the last the signals."""
+    load = isinstance(cmd, DmaLoad)
+    tcm = cmd.dst if load else cmd.src
+    if len(pieces) > 1 and cmd.valid_rows is not None:
+        raise BuildError("a DMA with a runtime row count maps to a strided layout; it would "
+                         "need a copy")
+    out = []
+    for k, (dram, r0, n, c0, m) in enumerate(pieces):
+        sub = tcm.rows(r0, n).cols(c0, m) if (r0, n, c0, m) != (0, tcm.shape[0], 0,
+                                                                tcm.shape[1]) else tcm
+        fields = {"dst": sub, "src": dram} if load else {"src": sub, "dst": dram}
+        fields["wait"] = cmd.wait if k == 0 else ()
+        fields["signal"] = cmd.signal if k == len(pieces) - 1 else ()
+        out.append(dataclasses.replace(cmd, **fields))
+    return out
+
+
+class Linker:
+    """Assembles relocated kernels into one program."""
+
+    def __init__(self, graph: PhaseGraph, plan: DramPlan, spec, name: str):
+        self.graph, self.plan, self.spec = graph, plan, spec
+        self.builder = ProgramBuilder(name, spec)
+        self.events = 0
+        self.tcm_high = 0
+        self.params: list = []
+
+    def add(self, kernel) -> None:
+        prog = kernel.program
+        local = {}                                   # local DRAM name -> (view, tensor, base)
+        for name, t in prog.tensors.items():
+            if name in kernel.bindings:
+                v = kernel.bindings[name]
+                g = self.graph.tensors[v.tensor]
+                tensor, base = self.plan.place[v.tensor]
+                if v.size != int(np.prod(t.shape)):
+                    raise BuildError(f"kernel {kernel.name}: {name} {t.shape} bound to a view "
+                                     f"of {v.size} elements")
+                local[name] = (v, tensor, base)
+                self._declare(tensor, g)
+            elif name in kernel.state:
+                glob = kernel.state[name]
+                if glob not in self.builder.tensors:
+                    self.builder.tensor(glob, t.shape, t.dtype, "state")
+                local[name] = (View.whole(glob, t.shape), glob, 0)
+            elif t.kind == "scratch":
+                glob = f"{kernel.name}.{name}"
+                self.builder.tensor(glob, t.shape, t.dtype, "scratch")
+                local[name] = (View.whole(glob, t.shape), glob, 0)
+            else:
+                raise BuildError(f"kernel {kernel.name}: tensor {name} ({t.kind}) is not bound")
+        shift = self.events
+        self.builder.emit(Launch(name=kernel.name))
+        for cmd in prog.commands:
+            if isinstance(cmd, End):
+                continue
+            cmd = _renumber(cmd, shift)
+            if isinstance(cmd, (DmaLoad, DmaStore)):
+                ref = cmd.src if isinstance(cmd, DmaLoad) else cmd.dst
+                view, tensor, base = local[ref.tensor]
+                for c in _split_dma(cmd, relocate_window(ref, view, tensor, base)):
+                    self.builder.emit(c)
+            elif isinstance(cmd, HostOp):
+                raise BuildError(f"kernel {kernel.name} has a host op")
+            else:
+                self.builder.emit(cmd)
+        self.events += _event_count(prog)
+        self.tcm_high = max(self.tcm_high, prog.tcm_bytes)
+        for p in prog.params:
+            if p not in self.params:
+                self.params.append(p)
+        for v in kernel.bindings.values():
+            for p in v.offset.names():
+                if p not in self.params:
+                    self.params.append(p)
+
+    def _declare(self, tensor: str, g) -> None:
+        if tensor in self.builder.tensors:
+            return
+        if tensor == ARENA:
+            self.builder.tensor(ARENA, (max(1, self.plan.arena_elems),), "float16", "scratch")
+        elif g.kind in ("const", "table"):
+            self.builder.tensor(tensor, g.shape, g.dtype, "const", g.data)
+        elif g.kind == "output":
+            self.builder.tensor(tensor, g.shape, g.dtype, "output")
+        else:
+            raise BuildError(f"tensor {tensor} of kind {g.kind} cannot be placed")
+
+    def build(self, **metadata):
+        for p in self.params:
+            self.builder.param(p)
+        return self.builder.build(tcm_bytes=self.tcm_high, **metadata)
+
+
+def _event_count(program) -> int:
+    ids = [e for c in program.commands for e in tuple(c.wait) + tuple(c.signal)]
+    return max(ids) + 1 if ids else 0
+
+
+def _renumber(cmd, shift: int):
+    if not shift or not (cmd.wait or cmd.signal):
+        return cmd
+    return dataclasses.replace(cmd, wait=tuple(e + shift for e in cmd.wait),
+                               signal=tuple(e + shift for e in cmd.signal))
+

@@ -1,0 +1,170 @@
+"""Position values, evaluated at build time: RoPE tables, position embeddings, the mask.
+
+Host code between the model's inputs and its NPU kernels that depends only on the token
+positions (``position_ids``, an all-ones ``attention_mask``, shapes) computes the same
+rows for a position whatever the step: RoPE's cos/sin, a learned position embedding's
+lookup. A phase program does not run it per step: it is compiled for the host once, here,
+run for every position of the cache at once, and the result is a constant table whose
+rows the kernels read at the step's runtime position ``pos``. Each table is checked
+against a second evaluation at another offset (a value that depends on more than the
+position is refused). The attention mask is evaluated for several (past, new) lengths
+and must be the causal mask the attention kernel applies by itself; anything else (an
+ALiBi bias, padding) is refused at build time.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from edgetvm.region_ops import causal_mask_problem
+
+from .graph import BuildError
+
+HOST = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+#: (past, new) lengths at which masks are checked and tables cross-checked
+_CHECKS = ((0, 5), (3, 2), (6, 1))
+
+
+def _seq_and_past_vars(main) -> tuple:
+    s_var = past_var = b_var = None
+    for p in main.params:
+        values = getattr(getattr(p.ty, "shape", None), "values", None) or ()
+        if p.name == "input_ids" and len(values) == 2:
+            b_var, s_var = values
+        if p.name.startswith("past_key_values") and len(values) == 4:
+            past_var = values[2]
+    return b_var, s_var, past_var
+
+
+class PositionFunction:
+    """The host code of some position values of ``main``, compiled once."""
+
+    def __init__(self, mod, regions, targets: list):
+        self.main = mod["main"]
+        self.targets = list(targets)
+        self.b_var, self.s_var, self.past_var = _seq_and_past_vars(self.main)
+        by_symbol = {r.symbol: r for r in regions}
+        defs = [(b.var, b.value) for blk in self.main.body.blocks for b in blk.bindings]
+        needed = set(self.targets)
+        keep = []
+        for var, value in reversed(defs):
+            if var not in needed:
+                continue
+            keep.append((var, value))
+            needed |= set(relax.analysis.free_vars(value))
+        keep.reverse()
+        bb = relax.BlockBuilder(mod.clone())    # with the module's other functions
+        bindings = []
+        for var, value in keep:
+            if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and \
+                    value.op.name == "relax.call_pure_packed":
+                region = by_symbol[str(value.args[0].global_symbol)]
+                gv = bb.add_func(region.func, f"region_{region.index}")
+                runtime = dict(zip(region.runtime_positions, value.args[1:]))
+                args = [runtime[i] if i in runtime else _const(region.args[i])
+                        for i in range(len(region.args))]
+                value = bb.normalize(relax.Call(gv, args))
+            bindings.append(relax.VarBinding(var, value))
+        out = relax.Var("positions", relax.TupleType([v.ty for v in self.targets]))
+        bindings.append(relax.VarBinding(out, relax.Tuple(self.targets)))
+        body = relax.SeqExpr([relax.DataflowBlock(bindings)], out)
+        func = relax.Function(list(self.main.params), body, out.ty)
+        ir = bb.get()
+        ir["main"] = func.with_attr("global_symbol", "main")
+        try:
+            ir = relax.transform.DeadCodeElimination(["main"])(ir)
+            ir = relax.transform.DecomposeOpsForInference()(ir)
+            self.vm = relax.VirtualMachine(tvm.compile(ir, HOST), tvm.cpu())
+        except Exception as e:                                   # noqa: BLE001
+            raise BuildError(f"the position code ({len(keep)} host ops) does not compile for "
+                             f"the host: {str(e).strip().splitlines()[-1]}") from None
+
+    def __call__(self, past: int, new: int) -> list:
+        """The target values for ``new`` tokens after ``past`` (batch 1, no padding)."""
+        dims = {self.b_var: 1, self.s_var: new}
+        if self.past_var is not None:
+            dims[self.past_var] = past
+        args = []
+        for p in self.main.params:
+            shape = _concrete(p.ty, dims, p.name)
+            dtype = str(p.ty.dtype)
+            if p.name == "attention_mask":
+                a = np.ones(shape, dtype)
+            elif p.name == "position_ids":
+                a = np.arange(past, past + new, dtype=dtype).reshape(shape)
+            else:
+                a = np.zeros(shape, dtype)
+            args.append(tvm.runtime.tensor(a))
+        out = self.vm["main"](*args)
+        return [o.numpy() for o in out]
+
+    def position_axis(self, var) -> int | None:
+        values = var.ty.shape.values
+        for k, e in enumerate(values):
+            if self.s_var is not None and isinstance(e, tvm.tirx.Var) and e.same_as(self.s_var):
+                return k
+        return None
+
+
+def _concrete(ty, dims: dict, what: str) -> tuple:
+    analyzer = tvm.sym.Analyzer()
+    for var, v in dims.items():
+        if var is not None:
+            analyzer.bind(var, tvm.tirx.IntImm(str(var.ty.dtype), v))
+    out = []
+    for e in ty.shape.values:
+        e = analyzer.simplify(e)
+        if not isinstance(e, tvm.tirx.IntImm):
+            raise BuildError(f"input {what}: dimension {e} is not known")
+        out.append(int(e))
+    return tuple(out)
+
+
+def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int) -> dict:
+    """Fill the position tables of ``graphs`` (``PhaseGraph.position_tables``) with rows for
+    ``positions`` positions and check the attention ``masks`` (as returned by
+    ``extract_phase_graph``); returns table name -> data (positions, width) float16."""
+    tables = {}
+    for g in graphs:
+        tables.update(g.position_tables)
+    mask_vars = []
+    for m, index in masks:
+        if not isinstance(m, relax.Var):
+            raise BuildError(f"attention region {index}: a constant mask cannot follow the "
+                             f"sequence length")
+        if m not in mask_vars:
+            mask_vars.append(m)
+    table_vars = list(dict.fromkeys(tables.values()))
+    targets = table_vars + mask_vars
+    if not targets:
+        return {}
+    fn = PositionFunction(mod, regions, targets)
+    full = dict(zip(targets, fn(0, positions)))
+    data = {}
+    for var in table_vars:
+        axis = fn.position_axis(var)
+        if axis is None:
+            raise BuildError(f"position value {var.name} has no position axis")
+        rows = np.moveaxis(full[var], axis, 0)
+        data[var] = rows.reshape(positions, -1).astype(np.float32)
+    index_of = {m: i for m, i in masks if isinstance(m, relax.Var)}
+    for past, new in _CHECKS:
+        if past + new > positions:
+            continue
+        got = dict(zip(targets, fn(past, new)))
+        for var in table_vars:
+            rows = np.moveaxis(got[var], fn.position_axis(var), 0).reshape(new, -1)
+            if not np.allclose(rows, data[var][past:past + new], rtol=1e-5, atol=1e-6):
+                raise BuildError(f"position value {var.name} is not a function of the "
+                                 f"position alone (rows differ at past={past}, new={new})")
+        for var in mask_vars:
+            problem = causal_mask_problem(got[var], past, new)
+            if problem:
+                raise BuildError(f"attention region {index_of[var]}: {problem}")
+    return {name: data[var].astype(np.float16) for name, var in tables.items()}
+
+
+def _const(value):
+    a = np.asarray(value)
+    return relax.const(a, str(a.dtype))

@@ -1,0 +1,161 @@
+"""Running a compiled model: one whole-phase program per step, the KV cache on the device.
+
+A :class:`ModelRunner` holds the phase programs of one model (by ``(phase, rows, pages)``),
+the page allocation of the sequence (:class:`~edgetvm.kv_state.KVState`) and a runner
+device, whose persistent ``state`` tensors are the KV cache pages. A step picks the
+program of its bucket (prefill: the smallest length bucket that holds the chunk; decode:
+the smallest KV capacity that holds the sequence), sets the runtime parameters (token ids,
+position, valid length, where the new K/V go, the page table) and runs it once: the step's
+cycles, DRAM traffic, energy and power are that one run's. Nothing here compiles.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgetvm.errors import EdgeTVMError
+from edgetvm.generate import StepRecord
+from edgetvm.kv_state import KVState
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the runtime needs to know about a compiled model (the artifact's manifest)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    page_tokens: int
+    max_tokens: int
+    vocab: int
+
+
+def program_name(key) -> str:
+    """``prefill_16x1p``: phase, rows, KV pages."""
+    return "{}_{}x{}p".format(*key)
+
+
+class ModelRunner:
+    """Generation with the phase programs ``programs`` (key -> Program, or a callable that
+    returns the Program of a key) on ``runner`` (``edgetvm.runner.connect(...)``);
+    ``page_pool``: the order free KV pages are handed out (see ``KVState``)."""
+
+    def __init__(self, programs, keys, info: ModelInfo, runner, profile: str | None = None,
+                 page_pool=None):
+        self._programs = programs
+        self.keys = sorted(tuple(k) for k in keys)
+        self.info = info
+        self.runner = runner
+        self.profile = profile
+        self.kv = KVState(info.layers, info.kv_heads, info.head_dim, info.max_tokens,
+                          page_tokens=info.page_tokens, page_pool=page_pool)
+        self.prefill_rows = sorted({r for p, r, _ in self.keys if p == "prefill"})
+        self.traced = None
+        if not self.prefill_rows or not any(p == "decode" for p, _, _ in self.keys):
+            raise EdgeTVMError("the model has no prefill or no decode program")
+
+    def program(self, key):
+        p = self._programs(key) if callable(self._programs) else self._programs[key]
+        return p
+
+    def reset(self) -> None:
+        """A new sequence: its pages are handed out again from the start."""
+        self.kv.reset()
+
+    # -- one step ------------------------------------------------------------------------------
+    def key_for(self, tokens: int, pos: int) -> tuple:
+        """The program of a step of ``tokens`` new tokens at ``pos``."""
+        pages_needed = -(-(pos + tokens) // self.info.page_tokens)
+        if tokens == 1:
+            cands = [k for k in self.keys if k[0] == "decode" and k[2] >= pages_needed]
+        else:
+            rows = next((r for r in self.prefill_rows if r >= tokens), None)
+            if rows is None:
+                raise EdgeTVMError(f"a chunk of {tokens} tokens is over the largest prefill "
+                                   f"bucket ({self.prefill_rows[-1]}); use chunks")
+            pages_needed = -(-(pos + rows) // self.info.page_tokens)
+            cands = [k for k in self.keys if k[0] == "prefill" and k[1] == rows and
+                     k[2] >= pages_needed]
+        if not cands:
+            raise EdgeTVMError(f"no program for {tokens} token(s) at position {pos}: the "
+                               f"artifact was built for {self.keys} (build with --chunk or "
+                               f"a larger --max-tokens)")
+        return min(cands, key=lambda k: k[2])
+
+    def step(self, ids, pos: int, trace: bool = False):
+        """Run ``ids`` (new tokens at positions ``pos..``); returns (logits of the last new
+        token (vocab,), counters dict, key). With ``trace``, :attr:`traced` is then
+        ``(key, run result)`` with the per-command trace."""
+        ids = [int(i) for i in ids]
+        s = len(ids)
+        if pos + s > self.info.max_tokens:
+            raise EdgeTVMError(f"the KV cache holds {self.info.max_tokens} tokens; this step "
+                               f"needs {pos + s}")
+        bad = [i for i in ids if not -self.info.vocab <= i < self.info.vocab]
+        if bad:
+            raise EdgeTVMError(f"token id(s) {bad} out of the vocabulary ({self.info.vocab})")
+        key = self.key_for(s, pos)
+        phase, rows, pages = key
+        if pos == 0:
+            self.kv.reset()
+        self.kv.reserve(pos, rows)
+        lay = self.kv.layout
+        params = {f"ids.{i}": (ids[i] % self.info.vocab if i < s else 0) for i in range(rows)}
+        params.update(pos=pos, valid_len=pos + s, last_row=s - 1)
+        params.update(lay.slot_params(self.kv.page_table, pos, rows, s))
+        params.update(lay.page_table_params(self.kv.page_table, pages))
+        program = self.program(key)
+        params = {k: v for k, v in params.items() if k in program.params}
+        res = self.runner.run(program, {}, params, profile=self.profile, trace=trace)
+        if trace:
+            self.traced = (key, res)
+        logits = np.asarray(res.outputs["logits"], np.float32).reshape(-1, self.info.vocab)[-1]
+        self.kv.length = pos + s
+        return logits, res.counters, key
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompt, max_new_tokens: int, chunk: int | None = None,
+                 on_step=None, trace_first: str | None = None) -> list:
+        """Greedy generation: the prompt as one prefill (or chunks of ``chunk`` tokens),
+        then decode steps; one :class:`~edgetvm.generate.StepRecord` per step (a chunk that
+        does not end the prompt has token -1). ``trace_first``: trace the first step of
+        that phase (``decode``; the prefill if there is no decode step)."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise EdgeTVMError("the prompt is empty")
+        if len(prompt) + max_new_tokens - 1 > self.info.max_tokens:
+            raise EdgeTVMError(f"the KV cache holds {self.info.max_tokens} tokens; a prompt of "
+                               f"{len(prompt)} and {max_new_tokens} new token(s) need "
+                               f"{len(prompt) + max_new_tokens - 1}")
+        self.reset()
+        size = chunk or (self.prefill_rows[-1] if len(prompt) > self.prefill_rows[-1] else
+                         len(prompt))
+        pieces = [prompt[i:i + size] for i in range(0, len(prompt), size)]
+        records, pos, token = [], 0, None
+        calls = [("prefill", p) for p in pieces]
+        generated = 0
+        while calls or generated < max_new_tokens:
+            phase, ids = calls.pop(0) if calls else ("decode", [token])
+            t0 = time.perf_counter()
+            want = trace_first is not None and self.traced is None and (
+                phase == trace_first or (max_new_tokens == 1 and not calls))
+            logits, c, key = self.step(ids, pos, trace=want)
+            token = int(np.argmax(logits))
+            last = phase == "decode" or not calls
+            rec = StepRecord(phase, token if last else -1, len(ids), pos, logits=logits)
+            rec.npu_cycles, rec.npu_us = int(c["total_cycles"]), float(c["time_us"])
+            rec.dram_read_bytes, rec.dram_write_bytes = c["dram_read_bytes"], c["dram_write_bytes"]
+            rec.energy_uj, rec.avg_power_mw = c["energy_uj"], c["avg_power_mw"]
+            rec.peak_power_mw, rec.throttled_cycles = c["peak_power_mw"], c["throttled_cycles"]
+            rec.program, rec.wall_s = program_name(key), time.perf_counter() - t0
+            records.append(rec)
+            if on_step is not None:
+                on_step(rec)
+            pos += len(ids)
+            if last:
+                generated += 1
+                if generated >= max_new_tokens:
+                    break
+        return records

@@ -1,0 +1,124 @@
+"""The deployable artifact: ``python -m edgetvm.build`` then ``python -m edgetvm.run
+model.npu``, checked against onnxruntime; deterministic bytes; refusals of damaged files."""
+import json
+import pathlib
+import zipfile
+
+import numpy as np
+import pytest
+from reference_loop import greedy_loop, onnxruntime_model
+
+from edgetvm.build.cli import build
+from edgetvm.build.cli import main as build_main
+from edgetvm.run import main as run_main
+from edgetvm.runner import LocalRunner
+from edgetvm.runtime.artifact import ArtifactError, load_artifact
+from edgetvm.runtime.model import ModelRunner
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
+LLAMA = str(DATA / "llama_tiny_with_past.onnx")
+OPTIONS = dict(buckets=(8, 16), max_tokens=64, progress=False)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    path = tmp_path_factory.mktemp("art") / "llama.npu"
+    build(LLAMA, str(path), **OPTIONS)
+    return path
+
+
+def test_artifact_runs_token_exact_and_loads_nothing_but_its_own_files(artifact):
+    art = load_artifact(str(artifact))
+    m = art.manifest
+    # prefill per bucket, the largest bucket at every KV capacity (chunks of a long
+    # prompt), decode per capacity
+    assert sorted(art.keys) == sorted([("prefill", 8, 1), ("prefill", 16, 1),
+                                       ("prefill", 16, 2), ("prefill", 16, 4)] +
+                                      [("decode", 1, p) for p in (1, 2, 4)])
+    assert m["onnx"]["sha256"] and m["target"]["name"] == "edge-npu-16mb"
+    assert m["model"] == {"layers": 2, "kv_heads": 2, "head_dim": 16, "page_tokens": 16,
+                          "max_tokens": 64, "vocab": 512}
+    # weights live in the pack, once: programs share them by name
+    with zipfile.ZipFile(artifact) as z:
+        assert set(z.namelist()) == {"manifest.json", "weights.bin"} | \
+            {e["file"] for e in m["programs"]}
+    run, names, kv = onnxruntime_model(LLAMA)
+    want, calls = greedy_loop(run, names, kv, [5, 17, 42, 7], 10)
+    runner = ModelRunner(art.program, art.keys, art.info, LocalRunner("edge-npu-16mb"))
+    recs = runner.generate([5, 17, 42, 7], 10)
+    assert [r.token for r in recs] == want
+    for rec, call in zip(recs, calls):
+        ref = call["logits"][0, -1]
+        assert np.abs(rec.logits - ref).max() <= 0.01 + 0.01 * np.abs(ref).max()
+    assert {r.program for r in recs} == {"prefill_8x1p", "decode_1x1p"}
+
+
+def test_building_twice_gives_identical_bytes(artifact, tmp_path):
+    again = tmp_path / "again.npu"
+    build(LLAMA, str(again), **OPTIONS)
+    assert again.read_bytes() == artifact.read_bytes()
+
+
+def _rewrite(src, dst, edit):
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info, edit(info.filename, zin.read(info.filename)))
+
+
+def test_a_damaged_or_altered_artifact_is_refused(artifact, tmp_path):
+    bad = tmp_path / "bad.npu"
+
+    def flip_weight(name, data):
+        if name != "weights.bin":
+            return data
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0xFF
+        return bytes(b)
+    _rewrite(artifact, bad, flip_weight)
+    with pytest.raises(ArtifactError, match="weights.bin does not match its SHA-256"):
+        load_artifact(str(bad))
+
+    def newer(name, data):
+        if name != "manifest.json":
+            return data
+        m = json.loads(data)
+        m["format_version"] = 99
+        return json.dumps(m).encode()
+    _rewrite(artifact, bad, newer)
+    with pytest.raises(ArtifactError, match="format version 99"):
+        load_artifact(str(bad))
+
+    def alter_program(name, data):
+        return data.replace(b'"Launch"', b'"Launch" ', 1) if name.startswith("programs/") \
+            else data
+    _rewrite(artifact, bad, alter_program)
+    art = load_artifact(str(bad))
+    with pytest.raises(ArtifactError, match="does not match its SHA-256"):
+        art.program(art.keys[0])
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(ArtifactError, match="not a model.npu"):
+        load_artifact(str(bad))
+
+
+def test_build_and_run_commands(artifact, tmp_path, capsys):
+    out = tmp_path / "cli.npu"
+    assert build_main([LLAMA, "-o", str(out), "--buckets", "8", "--max-tokens", "32",
+                       "-q"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    trace = tmp_path / "step.json"
+    assert run_main([str(out), "--prompt-ids", "5,17,42,7", "--max-new-tokens", "3",
+                     "--check-onnx", LLAMA, "--trace", str(trace)]) == 0
+    text = capsys.readouterr().out
+    assert "check-onnx: ids identical" in text and "decode_1x" not in text
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {"DmaLoad", "Mma"} <= names and any(n.startswith("Launch") for n in names)
+    # an artifact that does not exist, a prompt past the KV capacity: clear errors
+    assert run_main([str(tmp_path / "missing.npu"), "--prompt-ids", "1"]) == 2
+    assert "not a model.npu" in capsys.readouterr().err
+    assert run_main([str(out), "--prompt-ids", ",".join(["1"] * 40)]) == 2
+    assert "KV cache holds 32 tokens" in capsys.readouterr().err
+    # a prompt longer than the largest bucket runs as chunks of it
+    assert run_main([str(out), "--prompt-ids", ",".join(map(str, range(1, 21))),
+                     "--max-new-tokens", "2", "--check-onnx", LLAMA]) == 0
+    assert "ids identical" in capsys.readouterr().out
