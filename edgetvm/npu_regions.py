@@ -122,6 +122,14 @@ def _fits_fp16(values) -> bool:
     return bool(np.isfinite(v).all() and np.abs(v).max(initial=0.0) < np.finfo(F16).max)
 
 
+def _memo(region, key, make):
+    """A region's packed weights, made once (every length bucket's kernel uses them)."""
+    hit = region.cache.get(key)
+    if hit is None:
+        hit = region.cache[key] = make()
+    return hit
+
+
 def _bias(region, lin, n: int) -> np.ndarray | None:
     if lin.bias is None:
         return None
@@ -136,7 +144,7 @@ def _linear_stages(region, lin, x: str, out: str, t: dict, consts: dict, mm: dic
     has_bias = lin.bias is not None
     acc = f"{out}_mm" if has_bias else out
     if lin.w4:
-        w4 = _w4_consts(region, lin, n_to)
+        w4 = _memo(region, ("w4", lin.weight, n_to), lambda: _w4_consts(region, lin, n_to))
         names = {k: f"{out}_{k}" for k in w4}
         for k, v in w4.items():
             consts[names[k]] = v
@@ -146,12 +154,14 @@ def _linear_stages(region, lin, x: str, out: str, t: dict, consts: dict, mm: dic
                                                      if k in names), acc)]
         mm[acc] = (n, kp, lin.group)
     else:
-        w = np.asarray(region.args[lin.weight], np.float32)
-        k, n = w.shape
-        if n_to is not None and n_to > n:
-            w = np.concatenate([w, np.zeros((k, n_to - n), np.float32)], axis=1)
-            n = n_to
-        consts[f"{out}_w"] = np.ascontiguousarray(w.T.astype(F16))
+        def fp16_weight():
+            w = np.asarray(region.args[lin.weight], np.float32)
+            if n_to is not None and n_to > w.shape[1]:
+                w = np.concatenate([w, np.zeros((w.shape[0], n_to - w.shape[1]), np.float32)],
+                                   axis=1)
+            return np.ascontiguousarray(w.T.astype(F16))
+        consts[f"{out}_w"] = _memo(region, ("fp16", lin.weight, n_to), fp16_weight)
+        n, k = consts[f"{out}_w"].shape
         t[f"{out}_w"] = ((n, k), F16)
         stages = [Stage("linear_fp16", (x, f"{out}_w"), acc)]
         mm[acc] = (n, k, 0)

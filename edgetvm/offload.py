@@ -40,6 +40,7 @@ class Region:
     arg_kinds: list = field(default_factory=list)     # kind of the region computing each
                                                       # arg in the annotated graph, offloaded
                                                       # or not (None: not a region)
+    cache: dict = field(default_factory=dict, repr=False)   # packed weights, made once
 
 
 def _const_value(e):

@@ -27,8 +27,7 @@ import sys
 import numpy as np
 
 from edgetvm.errors import EdgeTVMError
-from edgetvm.relax_passes.quantize_w4a16 import KEEP_FP16_LAYERS
-from edgetvm.relax_passes.w4_pack import ZERO_POINT_KINDS
+from edgetvm.build.cli import add_build_options, check_build_options, quantizer_of
 
 DEFAULT_ATOL = 1e-2
 DEFAULT_RTOL = 1e-2
@@ -43,17 +42,6 @@ def _ids(text: str) -> list:
     if not ids:
         raise argparse.ArgumentTypeError("--prompt-ids is empty")
     return ids
-
-
-def _layer_names(text: str) -> tuple:
-    names = tuple(t.strip() for t in text.split(",") if t.strip())
-    if names == ("none",):
-        return ()
-    unknown = sorted(set(names) - set(KEEP_FP16_LAYERS))
-    if unknown:
-        raise argparse.ArgumentTypeError(f"--keep-fp16: unknown layer(s) {', '.join(unknown)}; "
-                                         f"known: {', '.join(KEEP_FP16_LAYERS)}")
-    return names
 
 
 def compare_logits(recs, ref, atol: float, rtol: float) -> tuple:
@@ -80,14 +68,6 @@ def format_step(k: int, rec) -> str:
             f"{rec.avg_power_mw:>7.0f} {rec.peak_power_mw:>7.0f} {rec.throttled_cycles:>9}")
 
 
-def _quantizer(args):
-    if not args.quantize:
-        return None
-    from edgetvm.relax_passes import QuantizeW4A16
-    keep = {} if args.keep_fp16 is None else {"keep_fp16": args.keep_fp16}
-    return QuantizeW4A16(group_size=args.quantize, zero_points=args.zero_points, **keep)
-
-
 def cache_dir() -> str:
     return os.environ.get("EDGETVM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
                                                            "edgetvm")
@@ -96,7 +76,8 @@ def cache_dir() -> str:
 def cached_build(args) -> str:
     """Build ``args.model`` into the cache unless an identical build is there; the path."""
     from edgetvm import __version__
-    from edgetvm.build.cli import DEFAULT_BUCKETS, build, file_sha256
+    from edgetvm.build.cli import DEFAULT_BUCKETS, build, compiler_fingerprint, file_sha256
+    from edgetvm.runtime.artifact import load_artifact
     from edgetvm.target.spec import EMULATOR_MODEL_VERSION, load_spec
 
     spec = load_spec(args.target or "edge-npu-16mb")
@@ -104,16 +85,22 @@ def cached_build(args) -> str:
                "strategy": args.strategy, "chunk": args.chunk, "quantize": args.quantize,
                "zero_points": args.zero_points, "keep_fp16": args.keep_fp16,
                "max_tokens": args.max_tokens, "buckets": list(DEFAULT_BUCKETS),
-               "edgetvm": __version__, "emulator_model": EMULATOR_MODEL_VERSION}
+               "edgetvm": __version__, "compiler": compiler_fingerprint(),
+               "emulator_model": EMULATOR_MODEL_VERSION}
     digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:20]
     path = os.path.join(cache_dir(), f"{os.path.basename(args.model)}.{digest}.npu")
     if os.path.exists(path):
-        print(f"using the build in {path}", flush=True)
-        return path
+        try:
+            load_artifact(path)
+        except EdgeTVMError as e:
+            print(f"the build in {path} does not load ({e}); rebuilding it", flush=True)
+        else:
+            print(f"using the build in {path}", flush=True)
+            return path
     os.makedirs(cache_dir(), exist_ok=True)
     print(f"building {args.model} for {spec.name} into {path} ...", flush=True)
     build(args.model, path, target=spec, profile=args.profile, strategy=args.strategy,
-          chunk=args.chunk, quantize=_quantizer(args), max_tokens=args.max_tokens,
+          chunk=args.chunk, quantize=quantizer_of(args), max_tokens=args.max_tokens,
           progress=not args.quiet)
     return path
 
@@ -183,22 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=None, metavar="C",
                     help="chunked prefill with chunks of C tokens")
     build = ap.add_argument_group("building an ONNX file (ignored for model.npu)")
-    build.add_argument("--strategy", default="regions",
-                       help="fusion partition (see python -m edgetvm.build)")
-    build.add_argument("--max-tokens", type=int, default=1024,
-                       help="KV cache capacity in tokens (default 1024)")
-    build.add_argument("--quantize", type=int, choices=(32, 64, 128), default=None,
-                       metavar="G", help="quantize fp32/fp16 linears to W4A16 with group size "
-                                         "G; --check-onnx then compares against the "
-                                         "unquantized model")
-    build.add_argument("--zero-points", choices=ZERO_POINT_KINDS, default="float",
-                       help="with --quantize: float (default; fitted scale and fp16 zero "
-                            "point per group, 5.0 bits/weight at G=32), none (symmetric, "
-                            "4.5) or uint4 (4.75)")
-    build.add_argument("--keep-fp16", type=_layer_names, default=None, metavar="LAYERS",
-                       help="with --quantize: comma-separated layers that stay fp16, of "
-                            f"{', '.join(KEEP_FP16_LAYERS)}, or none (default: embedding, "
-                            "the table and a tied lm_head that is that table)")
+    add_build_options(build, run=True)
     build.add_argument("--reference", action="store_true",
                        help="run the ONNX file region by region (Relax VM + one emulator run "
                             "per kernel) instead of building it")
@@ -207,10 +179,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be >= 1")
-    if args.chunk is not None and args.chunk < 1:
-        ap.error("--chunk must be >= 1")
-    if args.quantize is None and (args.keep_fp16 is not None or args.zero_points != "float"):
-        ap.error("--zero-points and --keep-fp16 apply to --quantize G")
+    check_build_options(ap, args)
     is_artifact = args.model.endswith(".npu")
     if is_artifact and args.reference:
         ap.error("--reference runs an ONNX file")
@@ -239,8 +208,8 @@ def run_reference(args) -> list:
     print(f"compiling {args.model} (reference path) ...", flush=True)
     extra = {"row_buckets": (args.chunk,)} if args.chunk else {}
     session = NPUSession(args.model, args.target or "edge-npu-16mb", args.profile,
-                         max_tokens=args.max_tokens,
-                         quantize=_quantizer(args), **extra)
+                         max_tokens=args.max_tokens or 1024,
+                         quantize=quantizer_of(args), **extra)
     if session.quant_report is not None:
         print(session.quant_report.summary(), flush=True)
     print(f"{len(session.regions)} regions on the NPU; running {args.max_new_tokens} "

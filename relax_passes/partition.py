@@ -17,7 +17,8 @@ adds, RoPE): embedding, KV append and attention are kernels of their own. Strate
 ``edgellm``
     cut points chosen by measurement (``edgetvm/build/search.py``).
 
-``mega`` needs to know what fits (``fits(group) -> bool``, which lowers the candidate).
+``mega`` needs to know what fits (``fits(group) -> bool``, which lowers the candidate);
+``edgellm`` the search that measures candidates (``search(graph) -> groups``).
 """
 from __future__ import annotations
 
@@ -113,7 +114,10 @@ def _rows_match(graph, i, j) -> bool:
     return graph.ops[i].rows == graph.ops[j].rows
 
 
-def partition(graph, strategy: str, fits=None) -> list:
+def partition(graph, strategy: str, fits=None, search=None) -> list:
+    """The op groups of ``graph`` under ``strategy`` (``fits(group)``: does its kernel fit
+    the TCM, for ``mega``; ``search(graph)``: the measured cut-point search, for
+    ``edgellm``)."""
     if strategy == "op-library":
         return op_library(graph)
     if strategy == "regions":
@@ -124,4 +128,8 @@ def partition(graph, strategy: str, fits=None) -> list:
         if fits is None:
             raise ValueError("mega needs fits(group)")
         return mega(graph, fits)
+    if strategy == "edgellm":
+        if search is None:
+            raise ValueError("edgellm needs search(graph)")
+        return search(graph)
     raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")

@@ -50,8 +50,10 @@ Commands
 ``Launch``
     a kernel boundary: waits until every unit is idle, then costs the spec's
     ``launch_cycles`` (reconfiguration). Fusing kernels saves launches. The TCM keeps its
-    contents, but a kernel may read only bytes it wrote since its launch unless the launch
-    says ``keep_tcm`` (a kernel that reuses data an earlier one left, by design).
+    contents, but a kernel may read only bytes it wrote since its launch, or that its
+    launch ``carry``-s (TCM regions a DMA filled for it before the launch: a prefetch of
+    its first weights while the previous kernel computed), unless the launch says
+    ``keep_tcm`` (a kernel that reuses data an earlier one left, by design).
 ``End``
     the end of the program: waits until every unit is idle.
 """
@@ -297,6 +299,9 @@ class Launch(Command):
     #: the kernel reads what earlier kernels left in the TCM (declared reuse); without it,
     #: reading TCM bytes the kernel did not write first is refused
     keep_tcm: bool = False
+    #: TCM regions loaded for this kernel before its launch (its first weight tiles,
+    #: prefetched while the previous kernel ran): the kernel may read them
+    carry: tuple = ()
 
     unit = "all"
 

@@ -33,23 +33,49 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def compiler_fingerprint() -> str:
+    """A hash of this edgetvm's own sources (compiler, schedules, emulator, presets).
+
+    Keys build caches: a build made by other code (an edited checkout, another release
+    with the same version string) is never mistaken for this one's.
+    """
+    import edgetvm
+    import edgetvm.relax_passes
+    import edgetvm.target
+    import edgetvm.tir_schedules
+
+    h = hashlib.sha256()
+    for pkg in (edgetvm, edgetvm.relax_passes, edgetvm.target, edgetvm.tir_schedules):
+        root = os.path.dirname(pkg.__file__)
+        for d, dirs, files in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            for name in sorted(files):
+                if name.endswith((".py", ".json")):
+                    path = os.path.join(d, name)
+                    h.update(os.path.relpath(path, root).encode())
+                    with open(path, "rb") as f:
+                        h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
           strategy="regions", buckets=DEFAULT_BUCKETS, chunk=None, quantize=None,
-          max_tokens: int = 1024, progress: bool = True) -> dict:
-    """Compile ``onnx_path`` into ``output`` (model.npu); returns the manifest."""
+          max_tokens: int | None = None, progress: bool = True) -> dict:
+    """Compile ``onnx_path`` into ``output`` (model.npu); returns the manifest.
+    ``max_tokens``: the KV capacity (default 1024, or fewer if the model addresses fewer
+    positions)."""
     from edgetvm.build.compiler import ModelCompiler
     from edgetvm.build.package import write_artifact
 
     if not os.path.isfile(onnx_path):
         raise EdgeTVMError(f"{onnx_path}: no such file")
-    rows = (chunk,) if chunk else tuple(sorted(b for b in set(buckets) if b <= max_tokens))
-    if not rows:
-        raise EdgeTVMError(f"no prefill bucket fits a KV cache of {max_tokens} tokens")
     t0 = time.time()
+    asked = (chunk,) if chunk else tuple(sorted(set(buckets)))
     mc = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
-                       strategy=strategy, max_rows=max(rows))
-    if profile is not None:
-        mc.spec.profile(profile)                     # an unknown profile fails here
+                       strategy=strategy, max_rows=max(asked), profile=profile)
+    rows = tuple(b for b in asked if b <= mc.max_tokens)
+    if not rows:
+        raise EdgeTVMError(f"no prefill bucket fits a KV cache of {mc.max_tokens} tokens")
     keys = mc.phase_keys(rows, chunked=bool(chunk))
     bar = _progress(len(keys), progress)
     programs = {}
@@ -72,6 +98,7 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
                   "page_tokens": mc.page_tokens, "max_tokens": mc.max_tokens,
                   "vocab": int(g.tensors["logits"].shape[-1])},
         "kernels_lowered": mc.kernels.lowered,
+        "quantization_report": mc.quant_report.summary() if mc.quant_report else None,
     }
     full = write_artifact(output, programs, manifest)
     full["build_seconds"] = time.time() - t0
@@ -105,38 +132,101 @@ def _progress(total: int, on: bool):
     return tqdm(total=total, unit="program", file=sys.stderr)
 
 
+def _layer_names(text: str) -> tuple:
+    from edgetvm.relax_passes.quantize_w4a16 import KEEP_FP16_LAYERS
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if names == ("none",):
+        return ()
+    unknown = sorted(set(names) - set(KEEP_FP16_LAYERS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--keep-fp16: unknown layer(s) {', '.join(unknown)}; "
+                                         f"known: {', '.join(KEEP_FP16_LAYERS)}")
+    return names
+
+
+def add_build_options(ap, run: bool = False) -> None:
+    """The options that decide what a build is (``edgetvm.build``, and ``edgetvm.run`` on
+    an ONNX file)."""
+    from edgetvm.relax_passes.partition import STRATEGIES
+    from edgetvm.relax_passes.quantize_w4a16 import KEEP_FP16_LAYERS
+    from edgetvm.relax_passes.w4_pack import ZERO_POINT_KINDS
+
+    ap.add_argument("--strategy", default="regions", choices=STRATEGIES,
+                    help="fusion partition (default regions; edgellm searches cut points "
+                         "by measuring candidate clusters under --profile)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="KV cache capacity in tokens (default 1024, or the positions the "
+                         "model can address if fewer)")
+    ap.add_argument("--quantize", type=int, choices=(32, 64, 128), default=None, metavar="G",
+                    help="quantize fp32/fp16 linears to W4A16 with group size G" +
+                         ("; --check-onnx then compares against the unquantized model"
+                          if run else ""))
+    ap.add_argument("--zero-points", choices=ZERO_POINT_KINDS, default="float",
+                    help="with --quantize: float (default; fitted scale and fp16 zero point "
+                         "per group, 5.0 bits/weight at G=32), none (symmetric, 4.5) or "
+                         "uint4 (4.75)")
+    ap.add_argument("--keep-fp16", type=_layer_names, default=None, metavar="LAYERS",
+                    help="with --quantize: comma-separated layers that stay fp16, of "
+                         f"{', '.join(KEEP_FP16_LAYERS)}, or none (default: embedding, the "
+                         "table and a tied lm_head that is that table)")
+
+
+def check_build_options(ap, args) -> None:
+    if args.chunk is not None and args.chunk < 1:
+        ap.error("--chunk must be >= 1")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        ap.error("--max-tokens must be >= 1")
+    if args.quantize is None and (args.keep_fp16 is not None or args.zero_points != "float"):
+        ap.error("--zero-points and --keep-fp16 apply to --quantize G")
+
+
+def quantizer_of(args):
+    """The QuantizeW4A16 pass the options ask for, or None."""
+    if not args.quantize:
+        return None
+    from edgetvm.relax_passes import QuantizeW4A16
+    keep = {} if args.keep_fp16 is None else {"keep_fp16": args.keep_fp16}
+    return QuantizeW4A16(group_size=args.quantize, zero_points=args.zero_points, **keep)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m edgetvm.build", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m edgetvm.build",
+                                 description=" ".join(__doc__.split()))
     ap.add_argument("model", help="ONNX file (text-generation-with-past export)")
     ap.add_argument("-o", "--output", required=True, help="the artifact to write (model.npu)")
     ap.add_argument("--target", default="edge-npu-16mb", help="NPU preset or spec JSON")
     ap.add_argument("--profile", default=None, help="power profile (default: the spec's)")
-    ap.add_argument("--strategy", default="regions",
-                    help="fusion partition: op-library, regions, local, mega (default regions)")
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--buckets", type=_ints, default=DEFAULT_BUCKETS, metavar="R1,R2,...",
                        help="prefill length buckets (default 16,32,64,128,256,512)")
     group.add_argument("--chunk", type=int, default=None, metavar="C",
                        help="chunked prefill: one C-row prefill program per KV capacity")
-    ap.add_argument("--quantize", type=int, choices=(32, 64, 128), default=None, metavar="G",
-                    help="quantize fp32/fp16 linears to W4A16 with group size G")
-    ap.add_argument("--max-tokens", type=int, default=1024, help="KV cache capacity (1024)")
+    add_build_options(ap)
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")
-    if args.chunk is not None and args.chunk < 1:
-        ap.error("--chunk must be >= 1")
+    check_build_options(ap, args)
     try:
         m = build(args.model, args.output, target=args.target, profile=args.profile,
                   strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
-                  quantize=args.quantize, max_tokens=args.max_tokens, progress=not args.quiet)
+                  quantize=quantizer_of(args), max_tokens=args.max_tokens,
+                  progress=not args.quiet)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     size = os.path.getsize(args.output)
+    arena = max(p.get("arena_bytes", 0) for p in m["programs"])
+    md = m["model"]
+    pages = -(-md["max_tokens"] // md["page_tokens"])
+    kv = 2 * md["layers"] * md["kv_heads"] * md["head_dim"] * 2 * pages * md["page_tokens"]
     print(f"wrote {args.output}: {len(m['programs'])} programs, "
           f"{m['weights']['bytes'] / 1e6:.1f} MB of weights, {size / 1e6:.1f} MB, "
           f"{m['kernels_lowered']} kernels lowered, {m['build_seconds']:.1f} s")
+    print(f"DRAM: {m['weights']['bytes'] / 1e6:.1f} MB weights + {arena / 1e6:.2f} MB "
+          f"activation arena (high-water, slots reused by lifetime) + {kv / 1e6:.2f} MB KV "
+          f"cache ({md['max_tokens']} tokens)")
+    if m.get("quantization_report"):
+        print(m["quantization_report"])
     return 0

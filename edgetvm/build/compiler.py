@@ -29,7 +29,7 @@ from edgetvm.tir_schedules.kv_cache import PAGE_TOKENS, KVCacheLayout
 from .graph import BuildError, extract_phase_graph
 from .kernels import KernelBuilder
 from .link import Linker, plan_dram
-from .positions import evaluate_positions
+from .positions import evaluate_positions, position_limit
 
 log = logging.getLogger("edgetvm")
 
@@ -37,14 +37,17 @@ log = logging.getLogger("edgetvm")
 class ModelCompiler:
     """Compile ``onnx_path`` (a text-generation-with-past export) for ``spec``."""
 
-    def __init__(self, onnx_path, spec="edge-npu-16mb", *, quantize=None, max_tokens: int = 1024,
-                 strategy: str = "regions", max_rows: int = 512, shape_overrides=None):
+    def __init__(self, onnx_path, spec="edge-npu-16mb", *, quantize=None, max_tokens=None,
+                 strategy: str = "regions", max_rows: int = 512, shape_overrides=None,
+                 profile: str | None = None):
         if strategy not in STRATEGIES:
             raise BuildError(f"unknown fusion strategy {strategy!r}; known: "
                              f"{', '.join(STRATEGIES)}")
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         self.strategy = strategy
-        self.max_tokens = int(max_tokens)
+        self.profile = self.spec.profile(profile).name      # an unknown profile fails here
+        self._searches: dict = {}
+        self.prefetch = True             # cross-kernel weight prefetch (link.py)
         self.max_rows = int(max_rows)
         t0 = time.time()
         imported = import_onnx(onnx_path, shape_overrides=shape_overrides)
@@ -61,6 +64,7 @@ class ModelCompiler:
                                                  prune=unsound_offloads)
         log.info("front end: %d regions on the NPU %s in %.1fs", len(self.regions),
                  dict(Counter(r.kind for r in self.regions)), time.time() - t0)
+        self.max_tokens = resolve_max_tokens(max_tokens, position_limit(self.mod, self.regions))
         self._tables: dict = {}
         self._checked_masks: set = set()
         self._graphs: dict = {}
@@ -84,13 +88,14 @@ class ModelCompiler:
             return g
         g, masks = extract_phase_graph(self.mod, self.regions, phase, rows, pages)
         todo = {n: v for n, v in g.position_tables.items() if n not in self._tables}
-        new_masks = [(m, i) for m, i in masks if id(m) not in self._checked_masks]
+        new_masks = [(m, i) for m, i in masks if _mask_key(m) not in self._checked_masks]
         if todo or new_masks:
             sub = type(g)(g.phase, g.rows, g.pages, [], {}, g.logits, g.logits_rows,
                           g.kv_heads, g.head_dim, g.layers, todo)
             self._tables.update(evaluate_positions(self.mod, self.regions, [sub], new_masks,
-                                                   self.max_tokens + self.max_rows))
-            self._checked_masks |= {id(m) for m, _ in new_masks}
+                                                   self.max_tokens + self.max_rows,
+                                                   addressed=self.max_tokens))
+            self._checked_masks |= {_mask_key(m) for m, _ in new_masks}
         for name in g.position_tables:
             t = g.tensors[name]
             t.data = self._tables[name]
@@ -109,34 +114,53 @@ class ModelCompiler:
         except BuildError:
             return False
 
+    def search(self, profile: str | None = None):
+        """The measured cut-point search of ``edgellm`` under ``profile`` (default: the
+        compiler's); one per profile, its measurements shared by every phase and bucket."""
+        from .search import SegmentSearch
+        profile = self.spec.profile(profile or self.profile).name
+        if profile not in self._searches:
+            self._searches[profile] = SegmentSearch(self.kernels, self.spec, profile)
+        return self._searches[profile]
+
+    def partition(self, graph, strategy: str | None = None, profile: str | None = None):
+        """The op groups of ``graph`` under ``strategy`` (default: the compiler's)."""
+        return partition(graph, strategy or self.strategy,
+                         fits=lambda grp: self.fits(graph, grp),
+                         search=lambda gr: self.search(profile).partition(gr))
+
     def program(self, phase: str, rows: int, pages: int, strategy: str | None = None,
                 groups=None):
         """The linked whole-phase program (``groups``: a partition to use instead of the
         strategy's)."""
-        key = (phase, rows, pages, strategy or self.strategy)
+        strategy = strategy or self.strategy
+        key = (phase, rows, pages, strategy)
         cache = groups is None
         if cache and key in self._linked:
             return self._linked[key]
         if rows > self.max_rows:
             raise BuildError(f"{rows} rows is over the largest bucket ({self.max_rows})")
         g = self.graph(phase, rows, pages)
-        strategy = strategy or self.strategy
         if groups is None:
-            groups = partition(g, strategy, fits=lambda grp: self.fits(g, grp))
-        consumers = g.consumers()
-        kernels = [self.kernels.kernel(g, grp, consumers) for grp in groups]
-        plan = plan_dram(g, kernels, self.spec.dram_burst_bytes)
-        linker = Linker(g, plan, self.spec, f"{phase}_{rows}x{pages}p")
-        for k in kernels:
-            linker.add(k)
-        program = linker.build(phase=phase, rows=rows, pages=pages, strategy=strategy,
-                               kernels=[{"name": k.name, "ops": [g.ops[i].name for i in k.ops],
-                                         "knobs": k.knobs} for k in kernels],
-                               arena_bytes=plan.arena_elems * 2,
-                               position_tables=sorted(g.position_tables))
+            groups = self.partition(g, strategy)
+        program = self.link(g, groups, f"{phase}_{rows}x{pages}p", strategy=strategy)
         if cache:
             self._linked[key] = program
         return program
+
+    def link(self, graph, groups, name: str, **metadata):
+        """One program running ``groups`` (a partition of ``graph.ops``) in order."""
+        consumers = graph.consumers()
+        kernels = [self.kernels.kernel(graph, grp, consumers) for grp in groups]
+        plan = plan_dram(graph, kernels, self.spec.dram_burst_bytes)
+        linker = Linker(graph, plan, self.spec, name, prefetch=self.prefetch)
+        for k in kernels:
+            linker.add(k)
+        return linker.build(phase=graph.phase, rows=graph.rows, pages=graph.pages,
+                            kernels=[{"name": k.name, "ops": [graph.ops[i].name for i in k.ops],
+                                      "knobs": k.knobs} for k in kernels],
+                            arena_bytes=plan.arena_elems * 2,
+                            position_tables=sorted(graph.position_tables), **metadata)
 
     def phase_keys(self, rows, chunked: bool = False) -> list:
         """(phase, rows, pages) of the programs a generation run needs: prefill per length
@@ -160,6 +184,32 @@ class ModelCompiler:
             keys.append(("decode", 1, p))
             p *= 2
         return keys
+
+
+#: the KV capacity when neither the user nor the model says otherwise
+DEFAULT_MAX_TOKENS = 1024
+
+
+def resolve_max_tokens(asked, limit) -> int:
+    """The KV capacity: ``asked``, else the default capped by the positions the model can
+    address (``limit``, its learned position table); asking for more is refused."""
+    if asked is None:
+        if limit is not None and limit < DEFAULT_MAX_TOKENS:
+            log.warning("the model addresses %d positions: KV cache capacity %d", limit, limit)
+            return limit
+        return DEFAULT_MAX_TOKENS
+    if int(asked) < 1:
+        raise BuildError(f"a KV cache of {asked} tokens")
+    if limit is not None and int(asked) > limit:
+        raise BuildError(f"the model looks positions up in a table of {limit} rows: a KV "
+                         f"cache of {asked} tokens would read past it (--max-tokens {limit} "
+                         f"or less)")
+    return int(asked)
+
+
+def _mask_key(m):
+    """A mask var by name (the Python wrappers of one Relax var are not one object)."""
+    return getattr(m, "name", None) or id(m)
 
 
 def _pow2(n: int) -> int:

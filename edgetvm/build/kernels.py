@@ -25,8 +25,9 @@ from edgetvm.tir_schedules.attention import (ATTENTION_LOWERING, schedule_decode
 from edgetvm.tir_schedules.embedding import schedule_embedding
 from edgetvm.tir_schedules.fused import (FusionCluster, Stage, knob_names, lower_cluster,
                                          schedule_cluster)
-from edgetvm.tir_schedules.kv_cache import (KV_APPEND_LOWERING, KVCacheLayout,
-                                            schedule_kv_append)
+from edgetvm.tir_schedules.kv_cache import (KV_APPEND_LOWERING, KV_APPEND_PAGES_LOWERING,
+                                            KVCacheLayout, schedule_kv_append,
+                                            schedule_kv_append_pages)
 from edgetvm.tir_schedules.workloads import embedding as embedding_workload
 
 from .graph import BuildError, PhaseGraph
@@ -187,15 +188,28 @@ class KernelBuilder:
                       knobs=knobs, key=repr(("embedding", rows, vocab, hidden)))
 
     def _kv_append(self, graph, index, op) -> Kernel:
+        """A prefill of whole pages writes them whole (one DMA per page and head; such a
+        program runs only at a page boundary); otherwise one DMA per token and head, at
+        any position."""
         rows = op.inputs["k_new"].shape[0]
+        pt = self.layout.page_tokens
+        if graph.phase == "prefill" and rows % pt == 0:
+            key = ("kv_append_pages", rows // pt)
 
-        def build():
-            sch = schedule_kv_append(self.layout, rows, self.spec)
-            return lower_primfunc(sch.mod["main"], self.spec, f"kv_append_{rows}",
-                                  **KV_APPEND_LOWERING), {}
-        program, knobs = self._cached(("kv_append", rows), build)
+            def build():
+                sch = schedule_kv_append_pages(self.layout, rows // pt, self.spec)
+                return lower_primfunc(sch.mod["main"], self.spec, f"kv_append_pages_{rows}",
+                                      **KV_APPEND_PAGES_LOWERING), {}
+        else:
+            key = ("kv_append", rows)
+
+            def build():
+                sch = schedule_kv_append(self.layout, rows, self.spec)
+                return lower_primfunc(sch.mod["main"], self.spec, f"kv_append_{rows}",
+                                      **KV_APPEND_LOWERING), {}
+        program, knobs = self._cached(key, build)
         return Kernel(op.name, (index,), program, dict(op.inputs),
-                      state=_layer_state(op.layer), key=repr(("kv_append", rows)))
+                      state=_layer_state(op.layer), key=repr(key))
 
     def _attention(self, graph, index, op) -> Kernel:
         hq, scale = op.attrs["q_heads"], op.attrs["scale"]

@@ -22,7 +22,8 @@ import dataclasses
 import numpy as np
 
 from edgetvm.target.builder import ProgramBuilder
-from edgetvm.target.isa import Affine, DmaLoad, DmaStore, DramRef, End, HostOp, Launch, as_affine
+from edgetvm.target.isa import (Affine, DmaLoad, DmaStore, DramRef, End, HostOp, Launch,
+                                TcmRef, as_affine)
 
 from .graph import BuildError, PhaseGraph
 from .views import View, contiguous_strides
@@ -172,18 +173,89 @@ def _split_dma(cmd, pieces: list) -> list:
 
 
 class Linker:
-    """Assembles relocated kernels into one program."""
+    """Assembles relocated kernels into one program.
 
-    def __init__(self, graph: PhaseGraph, plan: DramPlan, spec, name: str):
+    With ``prefetch``, a kernel's first weight tiles (the const loads that wait on nothing
+    at the head of each DMA channel's queue) are issued at the end of the previous kernel, on their own DMA channel, so
+    they move while that kernel computes; the kernel's launch ``carry``-s them. For that
+    the two kernels' TCM footprints must not overlap: each kernel's TCM is placed at the
+    bottom of the TCM when it fits below the previous one's, else right above it; when
+    both do not fit side by side, the kernel is not prefetched."""
+
+    def __init__(self, graph: PhaseGraph, plan: DramPlan, spec, name: str, prefetch=True):
         self.graph, self.plan, self.spec = graph, plan, spec
         self.builder = ProgramBuilder(name, spec)
+        self.prefetch = prefetch
         self.events = 0
         self.tcm_high = 0
         self.params: list = []
+        self._prev = None                # (TCM base, footprint) of the previous kernel
+        self.prefetched_bytes = 0
+
+    def _tcm_base(self, footprint: int):
+        """Where this kernel's TCM goes, and whether it may be prefetched."""
+        if self._prev is None or not self.prefetch:
+            return 0, False
+        base, size = self._prev
+        if footprint <= base:
+            return 0, True
+        a = self.spec.tcm_alignment
+        above = -(-(base + size) // a) * a
+        if above + footprint <= self.spec.tcm_bytes:
+            return above, True
+        return 0, False
 
     def add(self, kernel) -> None:
         prog = kernel.program
-        local = {}                                   # local DRAM name -> (view, tensor, base)
+        local = self._bind(kernel)
+        shift = self.events
+        tcm_base, prefetch = self._tcm_base(prog.tcm_bytes)
+        hoisted, body = [], []
+        blocked = set()                   # DMA channels with a command left in the body
+        for cmd in prog.commands:
+            if isinstance(cmd, End):
+                continue
+            if isinstance(cmd, HostOp):
+                raise BuildError(f"kernel {kernel.name} has a host op")
+            cmd = _renumber(cmd, shift)
+            if tcm_base:
+                cmd = _shift_tcm(cmd, tcm_base)
+            out = body
+            if isinstance(cmd, (DmaLoad, DmaStore)):
+                ref = cmd.src if isinstance(cmd, DmaLoad) else cmd.dst
+                view, tensor, base = local[ref.tensor]
+                # only a prefix of each channel's queue: a load may be ordered after an
+                # earlier one by the channel's FIFO alone (one event for both)
+                if prefetch and isinstance(cmd, DmaLoad) and not cmd.wait and \
+                        cmd.channel not in blocked and \
+                        prog.tensors[ref.tensor].kind == "const":
+                    out = hoisted
+                else:
+                    blocked.add(cmd.channel)
+                out.extend(_split_dma(cmd, relocate_window(ref, view, tensor, base)))
+            else:
+                out.append(cmd)
+        for c in hoisted:                 # still the previous kernel's stretch of time
+            self.builder.emit(c)
+            self.prefetched_bytes += c.dst.nbytes
+        self.builder.emit(Launch(name=kernel.name, carry=tuple(c.dst for c in hoisted)))
+        for c in body:
+            self.builder.emit(c)
+        self.events += _event_count(prog)
+        self.tcm_high = max(self.tcm_high, tcm_base + prog.tcm_bytes)
+        self._prev = (tcm_base, prog.tcm_bytes)
+        for p in prog.params:
+            if p not in self.params:
+                self.params.append(p)
+        for v in kernel.bindings.values():
+            for p in v.offset.names():
+                if p not in self.params:
+                    self.params.append(p)
+
+    def _bind(self, kernel) -> dict:
+        """local DRAM name -> (view, program tensor, base offset), declaring the tensors."""
+        prog = kernel.program
+        local = {}
         for name, t in prog.tensors.items():
             if name in kernel.bindings:
                 v = kernel.bindings[name]
@@ -205,30 +277,7 @@ class Linker:
                 local[name] = (View.whole(glob, t.shape), glob, 0)
             else:
                 raise BuildError(f"kernel {kernel.name}: tensor {name} ({t.kind}) is not bound")
-        shift = self.events
-        self.builder.emit(Launch(name=kernel.name))
-        for cmd in prog.commands:
-            if isinstance(cmd, End):
-                continue
-            cmd = _renumber(cmd, shift)
-            if isinstance(cmd, (DmaLoad, DmaStore)):
-                ref = cmd.src if isinstance(cmd, DmaLoad) else cmd.dst
-                view, tensor, base = local[ref.tensor]
-                for c in _split_dma(cmd, relocate_window(ref, view, tensor, base)):
-                    self.builder.emit(c)
-            elif isinstance(cmd, HostOp):
-                raise BuildError(f"kernel {kernel.name} has a host op")
-            else:
-                self.builder.emit(cmd)
-        self.events += _event_count(prog)
-        self.tcm_high = max(self.tcm_high, prog.tcm_bytes)
-        for p in prog.params:
-            if p not in self.params:
-                self.params.append(p)
-        for v in kernel.bindings.values():
-            for p in v.offset.names():
-                if p not in self.params:
-                    self.params.append(p)
+        return local
 
     def _declare(self, tensor: str, g) -> None:
         if tensor in self.builder.tensors:
@@ -246,6 +295,26 @@ class Linker:
         for p in self.params:
             self.builder.param(p)
         return self.builder.build(tcm_bytes=self.tcm_high, **metadata)
+
+
+#: command class -> its field names
+_FIELDS: dict = {}
+
+
+def _shift_tcm(cmd, base: int):
+    """``cmd`` with every TCM operand (one, or a tuple of them) ``base`` bytes higher."""
+    fields = _FIELDS.get(type(cmd))
+    if fields is None:
+        fields = _FIELDS[type(cmd)] = tuple(f.name for f in dataclasses.fields(cmd))
+    changes = {}
+    for name in fields:
+        v = getattr(cmd, name)
+        if isinstance(v, TcmRef):
+            changes[name] = dataclasses.replace(v, offset=v.offset + base)
+        elif isinstance(v, tuple):
+            changes[name] = tuple(dataclasses.replace(r, offset=r.offset + base)
+                                  if isinstance(r, TcmRef) else r for r in v)
+    return dataclasses.replace(cmd, **changes) if changes else cmd
 
 
 def _event_count(program) -> int:

@@ -61,11 +61,16 @@ def write_artifact(path: str, programs: dict, manifest: dict) -> dict:
         entries.append((name, data, True, key, prog))
     blob = io.BytesIO()
     index = {}
+    stored: dict = {}                 # identical bytes are stored once (a tied lm_head)
     for name in sorted(pack):
         a = pack[name]
-        blob.write(b"\0" * (-blob.tell() % ALIGN))
-        index[name] = [blob.tell(), list(a.shape), str(a.dtype)]
-        blob.write(a.tobytes())
+        raw = a.tobytes()
+        digest = sha256(raw)
+        if digest not in stored:
+            blob.write(b"\0" * (-blob.tell() % ALIGN))
+            stored[digest] = blob.tell()
+            blob.write(raw)
+        index[name] = [stored[digest], list(a.shape), str(a.dtype)]
     weights = blob.getvalue()
     files[WEIGHTS] = sha256(weights)
     full = dict(manifest)
@@ -89,6 +94,9 @@ def write_artifact(path: str, programs: dict, manifest: dict) -> dict:
             for name, data, deflate, _, _ in entries:
                 z.writestr(_entry(name, deflate), data, compresslevel=6)
             z.writestr(_entry(WEIGHTS, False), weights)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -56,7 +56,13 @@ class PositionFunction:
         keep.reverse()
         bb = relax.BlockBuilder(mod.clone())    # with the module's other functions
         bindings = []
+        #: positions the code can address: a lookup into a constant table (a learned
+        #: position embedding) of this many rows; past it the lookup reads out of bounds
+        self.max_positions = None
         for var, value in keep:
+            rows = _lookup_rows(value, by_symbol)
+            if rows is not None:
+                self.max_positions = min(rows, self.max_positions or rows)
             if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and \
                     value.op.name == "relax.call_pure_packed":
                 region = by_symbol[str(value.args[0].global_symbol)]
@@ -107,6 +113,44 @@ class PositionFunction:
         return None
 
 
+def _lookup_rows(value, by_symbol) -> int | None:
+    """Rows of the constant table ``value`` looks positions up in, if it is such a lookup
+    (``take`` from a constant, or an embedding region)."""
+    if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+        return None
+    if value.op.name == "relax.take" and isinstance(value.args[0], tvm.ir.expr.Constant):
+        shape = value.args[0].value.shape
+        axis = int(value.attrs.axis) if value.attrs.axis is not None else 0
+        return int(shape[axis])
+    if value.op.name == "relax.call_pure_packed":
+        region = by_symbol.get(str(value.args[0].global_symbol))
+        if region is not None and region.kind == "embedding":
+            tables = [a for a in region.args if isinstance(a, np.ndarray) and a.ndim == 2]
+            if tables:
+                return int(tables[0].shape[0])
+    return None
+
+
+def position_limit(mod, regions) -> int | None:
+    """How many positions the model can address: the rows of the smallest constant table
+    it looks something other than the token ids up in (a learned position embedding),
+    or None when it looks nothing up by position (RoPE computes its angles)."""
+    main = mod["main"]
+    by_symbol = {r.symbol: r for r in regions}
+    from_ids = {p for p in main.params if p.name == "input_ids"}
+    limit = None
+    for blk in main.body.blocks:
+        for b in blk.bindings:
+            used = set(relax.analysis.free_vars(b.value))
+            if used & from_ids:
+                from_ids.add(b.var)
+                continue
+            rows = _lookup_rows(b.value, by_symbol)
+            if rows is not None:
+                limit = rows if limit is None else min(limit, rows)
+    return limit
+
+
 def _concrete(ty, dims: dict, what: str) -> tuple:
     analyzer = tvm.sym.Analyzer()
     for var, v in dims.items():
@@ -121,10 +165,16 @@ def _concrete(ty, dims: dict, what: str) -> tuple:
     return tuple(out)
 
 
-def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int) -> dict:
+def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
+                       addressed: int | None = None) -> dict:
     """Fill the position tables of ``graphs`` (``PhaseGraph.position_tables``) with rows for
     ``positions`` positions and check the attention ``masks`` (as returned by
-    ``extract_phase_graph``); returns table name -> data (positions, width) float16."""
+    ``extract_phase_graph``); returns table name -> data (positions, width) float16.
+
+    ``addressed``: the positions a sequence may reach (the KV capacity); a model whose
+    position code looks positions up in a shorter table (GPT-2's learned positions) is
+    refused. Rows past that table (the padding rows of a bucket that ends past it) are
+    zero, never a lookup out of bounds."""
     tables = {}
     for g in graphs:
         tables.update(g.position_tables)
@@ -140,17 +190,24 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int) 
     if not targets:
         return {}
     fn = PositionFunction(mod, regions, targets)
-    full = dict(zip(targets, fn(0, positions)))
+    limit = fn.max_positions
+    if limit is not None and addressed is not None and addressed > limit:
+        raise BuildError(f"the model looks positions up in a table of {limit} rows; a KV "
+                         f"cache of {addressed} tokens would read past it (build with "
+                         f"--max-tokens {limit} or less)")
+    valid = positions if limit is None else min(positions, limit)
+    full = dict(zip(targets, fn(0, valid)))
     data = {}
     for var in table_vars:
         axis = fn.position_axis(var)
         if axis is None:
             raise BuildError(f"position value {var.name} has no position axis")
-        rows = np.moveaxis(full[var], axis, 0)
-        data[var] = rows.reshape(positions, -1).astype(np.float32)
+        rows = np.moveaxis(full[var], axis, 0).reshape(valid, -1).astype(np.float32)
+        data[var] = np.concatenate([rows, np.zeros((positions - valid, rows.shape[1]),
+                                                   np.float32)])
     index_of = {m: i for m, i in masks if isinstance(m, relax.Var)}
     for past, new in _CHECKS:
-        if past + new > positions:
+        if past + new > valid:
             continue
         got = dict(zip(targets, fn(past, new)))
         for var in table_vars:

@@ -97,7 +97,20 @@ class ModelRunner:
         if bad:
             raise EdgeTVMError(f"token id(s) {bad} out of the vocabulary ({self.info.vocab})")
         key = self.key_for(s, pos)
-        phase, rows, pages = key
+        program = self.program(key)
+        params = self.params_for(program, key, ids, pos)
+        res = self.runner.run(program, {}, params, profile=self.profile, trace=trace)
+        if trace:
+            self.traced = (key, res)
+        logits = np.asarray(res.outputs["logits"], np.float32).reshape(-1, self.info.vocab)[-1]
+        self.kv.length = pos + s
+        return logits, res.counters, key
+
+    def params_for(self, program, key, ids, pos: int) -> dict:
+        """The runtime parameters of ``program`` (the program of ``key``) running ``ids``
+        at ``pos``; reserves the KV pages the step writes."""
+        s = len(ids)
+        _, rows, pages = key
         if pos == 0:
             self.kv.reset()
         self.kv.reserve(pos, rows)
@@ -106,14 +119,15 @@ class ModelRunner:
         params.update(pos=pos, valid_len=pos + s, last_row=s - 1)
         params.update(lay.slot_params(self.kv.page_table, pos, rows, s))
         params.update(lay.page_table_params(self.kv.page_table, pages))
-        program = self.program(key)
-        params = {k: v for k, v in params.items() if k in program.params}
-        res = self.runner.run(program, {}, params, profile=self.profile, trace=trace)
-        if trace:
-            self.traced = (key, res)
-        logits = np.asarray(res.outputs["logits"], np.float32).reshape(-1, self.info.vocab)[-1]
-        self.kv.length = pos + s
-        return logits, res.counters, key
+        if "dst_page.0" in program.params:        # the prefill writes whole pages
+            if pos % lay.page_tokens:
+                raise EdgeTVMError(f"{program_name(key)} appends whole KV pages: it runs at "
+                                   f"a page boundary, not at position {pos} (chunks that "
+                                   f"are not whole pages need a --chunk build)")
+            first = pos // lay.page_tokens
+            params.update({f"dst_page.{i}": self.kv.page_table[first + i]
+                           for i in range(rows // lay.page_tokens)})
+        return {k: v for k, v in params.items() if k in program.params}
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int, chunk: int | None = None,

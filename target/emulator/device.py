@@ -370,7 +370,17 @@ class _Run:
         """Move the clock to ``t``: activities progress, power is logged, the governor
         acts at every DVFS boundary crossed."""
         clock = self.clock
-        while clock.now < t - _EPS:
+        while True:
+            # at a DVFS boundary (or within _EPS of it, however the clock got there) the
+            # governor acts first: the boundary is always ahead of the clock afterwards,
+            # so every loop below makes progress
+            while clock.now >= clock.next_dvfs - _EPS:
+                clock.scale = governor_scale(clock.log, clock.now, self.spec, self.emu.profile)
+                self._cached = None
+                clock.min_scale = min(clock.min_scale, clock.scale)
+                clock.next_dvfs += self.spec.dvfs_interval_cycles
+            if clock.now >= t - _EPS:
+                break
             t1 = min(t, clock.next_dvfs)
             dt = t1 - clock.now
             sharers, parts, nominal = self._load()
@@ -382,11 +392,6 @@ class _Run:
                 self.throttled += dt
             self.min_scale = min(self.min_scale, clock.scale)
             clock.now = t1
-            if t1 >= clock.next_dvfs - _EPS:
-                clock.scale = governor_scale(clock.log, clock.now, self.spec, self.emu.profile)
-                self._cached = None
-                clock.min_scale = min(clock.min_scale, clock.scale)
-                clock.next_dvfs += self.spec.dvfs_interval_cycles
         clock.now = max(clock.now, t)
 
     def _next_completion(self):
@@ -519,7 +524,7 @@ class _Run:
             self.unit_free[u] = self.clock.now
         self.hazards.barrier()
         if isinstance(cmd, Launch) and not cmd.keep_tcm:
-            self.emu.tcm_init.launch()
+            self.emu.tcm_init.launch(tuple(_tcm_region(r) for r in cmd.carry))
 
     # -- execution --------------------------------------------------------------------
     def _dram_window(self, i, ref, rows):

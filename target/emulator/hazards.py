@@ -204,9 +204,15 @@ class TcmInit:
         self.active = False
         self._next()
 
-    def launch(self) -> None:
+    def launch(self, carry=()) -> None:
+        """A new kernel; bytes of the ``carry`` regions written by the previous one (a
+        prefetch for this kernel) stay readable."""
+        old = self.epoch
         self.active = True
         self._next()
+        for r in carry:
+            view = self._bytes(r)
+            view[view == old] = self.epoch
 
     def _next(self) -> None:
         self.epoch += 1

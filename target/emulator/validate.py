@@ -160,7 +160,12 @@ def _check_command(cmd, program, spec):
                                              cmd.on[3:].isdigit() and
                                              int(cmd.on[3:]) < spec.dma_channels):
             _fail(f"no unit {cmd.on!r}")
-    elif not isinstance(cmd, (Launch, End)):
+    elif isinstance(cmd, Launch):
+        for r in cmd.carry:
+            if not isinstance(r, TcmRef):
+                _fail("Launch carries TCM regions (TcmRef)")
+            _check_tcm(r, program, spec, "carried TCM region")
+    elif not isinstance(cmd, End):
         _fail(f"not a command: {type(cmd).__name__}")
 
 

@@ -26,7 +26,7 @@ from tvm.tirx.buffer import BufferType
 from edgetvm.errors import CandidateRejected
 
 from ..isa import Affine
-from .exprs import ExprCompiler
+from .exprs import ExprCompiler, var_key
 
 TCM_SCOPE = "global.tcm"
 
@@ -115,24 +115,25 @@ class Interpreter:
         self.loop_ids: dict = {}
         self.ops: list = []
         self.buffers: dict = {}   # buffer var -> "param" | "runtime" | "tcm" | "dram_scratch"
-        self.scalars: dict = {}   # scalar PrimFunc parameter -> Affine runtime parameter
+        self.scalars: dict = {}   # var_key(scalar parameter) -> Affine runtime parameter
         self.dma_split = False    # root block "npu.dma_split": stores get their own channel
         for p in func.params:          # TVM 0.27: buffer params are Vars of BufferType
             if isinstance(p.ty, BufferType):
                 self.buffers[p] = "runtime" if p.name in self.exprs.runtime else "param"
             else:
-                self.scalars[p] = Affine.param(p.name)
+                self.scalars[var_key(p)] = Affine.param(p.name)
 
     @property
     def params(self) -> list:
         """Names of the runtime parameters the program uses."""
-        return sorted(self.exprs.used_params | {p.name for p in self.scalars})
+        return sorted(self.exprs.used_params | {a.names()[0] for a in self.scalars.values()})
 
     def _f(self, e):
-        f = self._compiled.get(e)
+        key = var_key(e)
+        f = self._compiled.get(key)
         if f is None:
-            f = self._compiled[e] = self.exprs.compile(e)
-        return f
+            f = self._compiled[key] = (self.exprs.compile(e), e)   # e: keeps the key valid
+        return f[0]
 
     def run(self) -> list:
         self._walk(self.func.body, dict(self.scalars), ())
@@ -144,12 +145,13 @@ class Interpreter:
             if "npu.op" in stmt.annotations:
                 self._emit(stmt, env, path)
                 return
-            uid = self.loop_ids.setdefault(stmt.loop_var, len(self.loop_ids))
+            var = var_key(stmt.loop_var)
+            uid = self.loop_ids.setdefault(var, len(self.loop_ids))
             lo = self._f(stmt.min)(env)
             for v in range(lo, lo + self._f(stmt.extent)(env)):
-                env[stmt.loop_var] = v
+                env[var] = v
                 self._walk(stmt.body, env, path + ((uid, v),))
-            env.pop(stmt.loop_var, None)
+            env.pop(var, None)
         elif isinstance(stmt, tirx.SeqStmt):
             for s in stmt.seq:
                 self._walk(s, env, path)
@@ -160,7 +162,7 @@ class Interpreter:
             for buf in block.alloc_buffers:
                 self.buffers[buf] = "tcm" if buf.scope() == TCM_SCOPE else "dram_scratch"
             for iv, val in zip(block.iter_vars, stmt.iter_values):
-                env[iv.var] = self._f(val)(env)
+                env[var_key(iv.var)] = self._f(val)(env)
             if not self._true(stmt.predicate, env):
                 return
             if _is_leaf(block):
@@ -194,7 +196,7 @@ class Interpreter:
         stmt = loop
         while isinstance(stmt, tirx.For):
             lo = self._f(stmt.min)(env)
-            ranges.append([stmt.loop_var, lo, lo + self._f(stmt.extent)(env) - 1])
+            ranges.append([var_key(stmt.loop_var), lo, lo + self._f(stmt.extent)(env) - 1])
             stmt = stmt.body
         if not isinstance(stmt, s_tir.SBlockRealize) or not _is_leaf(stmt.block):
             raise CandidateRejected(f"the loop nest annotated npu.op={kind_ann!r} must be a "
@@ -209,7 +211,8 @@ class Interpreter:
             env_min[var], env_max[var] = lo, hi
         for iv, val in zip(block.iter_vars, realize.iter_values):
             f = self._f(val)
-            env_min[iv.var], env_max[iv.var] = f(env_min), f(env_max)
+            k = var_key(iv.var)
+            env_min[k], env_max[k] = f(env_min), f(env_max)
 
         axes = self._axes(block, env_min)
 
@@ -236,11 +239,11 @@ class Interpreter:
         writes = [box(r) for r in block.writes]
         write_bufs = {w.buffer for w in writes}
         reads = [box(r) for r in block.reads if r.source not in write_bufs]
-        attrs = {"iter_ext": tuple(env_max[iv.var] - env_min[iv.var] + 1
-                                   for iv in block.iter_vars),
+        keys = [var_key(iv.var) for iv in block.iter_vars]
+        attrs = {"iter_ext": tuple(env_max[k] - env_min[k] + 1 for k in keys),
                  "slots": int(_ann(loop.annotations, "npu.slots", 1)),
                  "channel": _ann(loop.annotations, "npu.channel", None)}
-        attrs["iter_min"] = tuple(env_min[iv.var] for iv in block.iter_vars)
+        attrs["iter_min"] = tuple(env_min[k] for k in keys)
         for key in ("npu.valid_len", "npu.valid_axis", "npu.valid_whole", "npu.mask_len",
                     "npu.mask_pos"):
             if key in loop.annotations:
@@ -268,7 +271,8 @@ class Interpreter:
         if isinstance(pred, tirx.IntImm) and pred.value:
             return True
         block = realize.block
-        vals = [(iv.var, self._f(v)) for iv, v in zip(block.iter_vars, realize.iter_values)]
+        vals = [(var_key(iv.var), self._f(v))
+                for iv, v in zip(block.iter_vars, realize.iter_values)]
         fpred = self._f(pred)
 
         def holds(assign):
@@ -295,7 +299,7 @@ class Interpreter:
 
     def _axes(self, block, env_min) -> list:
         """For each region (writes, then reads) and dim: iter var positions it moves with."""
-        key = ("axes", block)
+        key = ("axes", var_key(block))
         cached = self._compiled.get(key)
         if cached is not None:
             return cached
@@ -305,7 +309,7 @@ class Interpreter:
         used = set(self.exprs.used_params)   # probes may read ids past the op: not params
         for p, iv in enumerate(block.iter_vars):
             probe = dict(env_min)
-            probe[iv.var] = env_min[iv.var] + 2
+            probe[var_key(iv.var)] = env_min[var_key(iv.var)] + 2
             for k, reg in enumerate(regions):
                 for d, r in enumerate(reg.region):
                     if self._f(r.min)(probe) != base[k][d]:
@@ -328,7 +332,8 @@ class Interpreter:
         f0 = self._f(region.region[-2].min)
         base = f0(probe)
         for iv in red:
-            probe[iv.var] = env_min[iv.var] + 2   # +2: a packed 4-bit index moves by k // 2
+            # +2: a packed 4-bit index moves by k // 2
+            probe[var_key(iv.var)] = env_min[var_key(iv.var)] + 2
         return f0(probe) == base
 
     def _accumulates(self, block, env_min) -> bool:
@@ -336,7 +341,7 @@ class Interpreter:
             return True
         for iv in block.iter_vars:
             if iv.iter_type == 2:        # CommReduce
-                if env_min[iv.var] != self._f(iv.dom.min)(env_min):
+                if env_min[var_key(iv.var)] != self._f(iv.dom.min)(env_min):
                     return True
         return False
 

@@ -1,7 +1,9 @@
 """Greedy generation written for the tests, independent of ``edgetvm.generate``: the
 reference side of every end-to-end comparison."""
 import numpy as np
+import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 
 
 def greedy_loop(run, input_names, kv_inputs, prompt, steps, chunk=None):
@@ -46,3 +48,26 @@ def assert_outputs_close(got_calls, want_calls, label=""):
             assert a[name].shape == want.shape, (label, step, name)
             diff = float(np.abs(a[name] - want).max())
             assert diff <= allowed, (label, step, name, diff, allowed)
+
+
+def with_random_vectors(src, dst, seed=3) -> int:
+    """Save ``src`` as ``dst`` with every 1-D float initializer (biases, norm gains) made
+    random, one draw per use (value + N(0, 0.3)); returns the number of draws. The tiny
+    exports share one all-zero bias and one all-ones gain through Identity nodes, so a
+    kernel that drops a bias or a gain, or swaps gain and bias, is exact on them."""
+    model = onnx.load(str(src))
+    rng = np.random.default_rng(seed)
+    vectors = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer
+               if len(i.dims) == 1 and i.data_type == onnx.TensorProto.FLOAT}
+    drawn = 0
+    for node in model.graph.node:
+        for k, name in enumerate(node.input):
+            if name in vectors:
+                value = vectors[name] + rng.normal(0, 0.3, vectors[name].shape)
+                fresh = f"{name}.random{drawn}"
+                model.graph.initializer.append(numpy_helper.from_array(
+                    value.astype(np.float32), fresh))
+                node.input[k] = fresh
+                drawn += 1
+    onnx.save(model, str(dst))
+    return drawn

@@ -122,3 +122,24 @@ def test_build_and_run_commands(artifact, tmp_path, capsys):
     assert run_main([str(out), "--prompt-ids", ",".join(map(str, range(1, 21))),
                      "--max-new-tokens", "2", "--check-onnx", LLAMA]) == 0
     assert "ids identical" in capsys.readouterr().out
+
+
+def test_run_keys_its_build_cache_by_the_compiler_and_rebuilds_what_does_not_load(
+        tmp_path, monkeypatch, capsys):
+    import edgetvm.build.cli as cli
+
+    monkeypatch.setenv("EDGETVM_CACHE", str(tmp_path))
+    args = [LLAMA, "--prompt-ids", "5,17", "--max-new-tokens", "1", "--max-tokens", "32", "-q"]
+    assert run_main(args) == 0
+    assert "building" in capsys.readouterr().out
+    [cached] = list(tmp_path.glob("*.npu"))
+    assert run_main(args) == 0 and "using the build" in capsys.readouterr().out
+    # a torn file (or one another edgetvm wrote under this name) is rebuilt, not an error
+    cached.write_bytes(cached.read_bytes()[:100])
+    assert run_main(args) == 0
+    assert "does not load" in capsys.readouterr().out
+    load_artifact(str(cached))
+    # other compiler sources: another cache entry, never this one
+    monkeypatch.setattr(cli, "compiler_fingerprint", lambda: "0" * 16)
+    assert run_main(args) == 0
+    assert "building" in capsys.readouterr().out and len(list(tmp_path.glob("*.npu"))) == 2

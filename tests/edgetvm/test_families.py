@@ -18,7 +18,8 @@ import pathlib
 
 import numpy as np
 import pytest
-from reference_loop import assert_outputs_close, greedy_loop, onnxruntime_model
+from reference_loop import (assert_outputs_close, greedy_loop, onnxruntime_model,
+                            with_random_vectors)
 
 from edgetvm.inspect import inspect_model
 from edgetvm.session import NPUSession
@@ -85,9 +86,70 @@ def test_family_npu_share_reported_by_inspect(family):
     assert report.total_flops - empty.total_flops >= 2 * 4 * heads_x_dim * 1023
     # the only recognised region the host keeps is the mask construction
     assert report.host_region_counts() == {"attention_mask": 1}
+    # every op of a layer is in a region: two residual adds per layer (GPT-NeoX's parallel
+    # residual adds attention and MLP outputs, then the stream), no generic op left over
+    rows = {row.label: row for row in report.layers}
+    assert [rows[label].regions.get("residual_add") for label in ("0", "1")] == [2, 2]
+    assert all(not rows[label].generic_ops for label in ("0", "1", "head")), family
 
 
 def test_chunked_prefill_partial_rotary():
     session = NPUSession(_path("gpt_neox"), "edge-npu-16mb", max_tokens=MAX_TOKENS,
                          row_buckets=(3,))
     _check_against_reference("gpt_neox", session, chunk=3)
+
+
+def _feeds(names, kv, ids, pos, previous=None):
+    """One call's inputs: ``ids`` at ``pos``, the past taken from the ``present.*`` of the
+    ``previous`` call's outputs (empty without one)."""
+    feeds = {"input_ids": np.array([ids], np.int64),
+             "attention_mask": np.ones((1, pos + len(ids)), np.int64),
+             "position_ids": np.arange(pos, pos + len(ids), dtype=np.int64)[None]}
+    for n, shape in kv.items():
+        feeds[n] = np.zeros(shape, np.float32) if previous is None else \
+            previous[n.replace("past_key_values", "present")]
+    return {k: v for k, v in feeds.items() if k in names}
+
+
+def test_switching_sequences_at_the_same_length_uploads_the_callers_past(monkeypatch):
+    # two prompts of one length through one session, then a decode step of the FIRST: the
+    # device pages hold the second's K/V, so the session must notice that the past it is
+    # given is not what the device holds, and upload it through the (shuffled) page
+    # table; an ordinary greedy loop never uploads, and reset frees the pages
+    run, names, kv = onnxruntime_model(_path("llama"))
+    session = _npu_session("llama")
+    uploads = []
+    real_upload = NPUSession._upload_past
+    monkeypatch.setattr(NPUSession, "_upload_past",
+                        lambda self, *a: uploads.append(a[0]) or real_upload(self, *a))
+    want_a = run(_feeds(names, kv, PROMPT, 0))
+    got_a = session(_feeds(names, kv, PROMPT, 0))[0]
+    session(_feeds(names, kv, [9, 3, 300, 77], 0))
+    assert uploads == []                                   # prefills from an empty past
+    token = int(np.argmax(want_a["logits"][0, -1]))
+    want = run(_feeds(names, kv, [token], len(PROMPT), want_a))
+    got = session(_feeds(names, kv, [token], len(PROMPT), got_a))[0]
+    assert_outputs_close([got], [want], "llama")
+    assert sorted(set(uploads)) == [0, 1]                  # both layers' pasts uploaded
+    uploads.clear()
+    session.reset()
+    assert (session.kv.length, session.kv.page_table, session.kv.layer_len) == (0, [], {})
+    greedy_loop(lambda f: session(f)[0], names, kv, PROMPT, 4)
+    assert uploads == []
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_with_random_biases_and_norm_gains(family, tmp_path):
+    # the exports' biases are all zero and their norm gains all one: made random here, so
+    # a bias or gain the NPU drops, or a gain and bias it swaps, changes the answer
+    path = str(tmp_path / f"{family}_random_vectors.onnx")
+    drawn = with_random_vectors(_path(family), path)
+    assert drawn >= 5
+    pool = [int(p) for p in np.random.default_rng(7).permutation(MAX_TOKENS // 16)]
+    session = NPUSession(path, "edge-npu-16mb", max_tokens=MAX_TOKENS, kv_page_pool=pool)
+    assert {r.kind for r in session.regions} == FAMILIES[family][0], family
+    run, names, kv = onnxruntime_model(path)
+    want, want_calls = greedy_loop(run, names, kv, PROMPT, 6)
+    got, got_calls = greedy_loop(lambda f: session(f)[0], names, kv, PROMPT, 6)
+    assert got == want, family
+    assert_outputs_close(got_calls, want_calls, family)

@@ -171,6 +171,33 @@ def test_overrides_do_not_leak_into_tvm():
     assert "MatMulNBits" not in onnx_frontend._get_convert_map()
 
 
+
+@pytest.mark.parametrize("index", [[-1], [0, -2], [2]])
+def test_gather_from_the_shape_of_a_dynamic_slice(index):
+    # a Slice with a run-time start has a shape known by rank only: Shape(y)[index] is
+    # gathered at run time, a negative index counting from the end (ONNX Gather)
+    nodes = [helper.make_node("Slice", ["x", "start", "end", "axes"], ["y"]),
+             helper.make_node("Shape", ["y"], ["shape"]),
+             helper.make_node("Gather", ["shape", "index"], ["dims"], axis=0)]
+    inits = [numpy_helper.from_array(np.array([16], np.int64), "end"),
+             numpy_helper.from_array(np.array([2], np.int64), "axes"),
+             numpy_helper.from_array(np.array(index, np.int64), "index")]
+    graph = helper.make_graph(
+        nodes, "gather_shape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 16]),
+         helper.make_tensor_value_info("start", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("dims", TensorProto.INT64, [len(index)])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    imported = import_onnx(model)
+    vm = relax.VirtualMachine(tvm.compile(imported.mod, tvm.target.Target(TARGET)), tvm.cpu())
+    feeds = {"x": np.zeros((2, 3, 16), np.float32), "start": np.array([5], np.int64)}
+    (got,) = run_vm(vm, imported, feeds)
+    want = np.take(np.array([2, 3, 16 - 5]), index)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert got.tolist() == want.tolist() == session.run(None, feeds)[0].tolist()
+
+
 # -- MatMulNBits as the W4A16 linear ------------------------------------------------------
 
 

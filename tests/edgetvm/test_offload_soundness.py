@@ -47,6 +47,9 @@ def test_a_gelu_shaped_function_with_other_constants_stays_on_the_host(tmp_path)
     _, (report,), _ = inspect_model(str(path))
     generic = {op for row in report.layers for op in row.generic_ops}
     assert {"tanh", "power"} <= generic
+    # u + 0.1 u^3 adds a projection's output to a value computed from it: not a residual
+    rows = [row for row in report.layers if row.label in ("0", "1")]
+    assert [(row.regions["residual_add"], row.generic_ops["add"]) for row in rows] == [(2, 2)] * 2
 
 
 def _session_refusing(monkeypatch, kind, family):
@@ -104,3 +107,139 @@ def test_causal_mask_check():
     for bad in (alibi, padded, _causal(2, 3, fill=np.float32(-1.0)), _causal(3, 2)):
         with pytest.raises(EdgeTVMError, match="mask"):
             _check_causal_mask(bad, 2, 3, 0)
+
+
+def _set_constant(model, output_name, value):
+    node = next(n for n in model.graph.node if n.output[0] == output_name)
+    old = numpy_helper.to_array(node.attribute[0].t)
+    node.attribute[0].t.CopyFrom(numpy_helper.from_array(np.asarray(value, old.dtype),
+                                                         node.attribute[0].t.name))
+    return old
+
+
+@pytest.mark.parametrize("op, operand, value", [("Pow", 1, 4.0), ("Div", 0, 2.0)])
+def test_an_rms_norm_shaped_function_with_other_constants_stays_on_the_host(
+        tmp_path, op, operand, value):
+    # Llama's RMSNorm with mean(x^4) in place of mean(x^2), or 2 / sqrt(...) in place of
+    # 1 / sqrt(...): the same graph shape, another function; the NPU rms_norm kernel would
+    # compute x / rms(x) * w regardless
+    model = onnx.load(DATA / "llama_tiny_with_past.onnx")
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type == op and "norm/" in node.name:
+            old = _set_constant(model, node.input[operand], value)
+            assert float(old) == {"Pow": 2.0, "Div": 1.0}[op]
+            changed += 1
+    assert changed == 5                                  # 2 per layer + the final norm
+    path = tmp_path / "not_rms_norm.onnx"
+    onnx.save(model, path)
+    session = NPUSession(str(path), max_tokens=64)
+    _same_as_onnxruntime(session, str(path))
+    kinds = {r.kind for r in session.regions}
+    assert "rms_norm" not in kinds and {"attention", "mlp", "rope"} <= kinds
+
+
+def test_a_rotation_by_other_than_half_the_head_stays_on_the_host(tmp_path):
+    # Llama's rotate_half(x) = concat(-x[..., 8:], x[..., :8]) rebuilt as
+    # concat(-x[..., 4:], x[..., :4]): the RoPE graph shape with other slices, another
+    # function; the NPU rope kernel rotates by halves
+    model = onnx.load(DATA / "llama_tiny_with_past.onnx")
+    model.graph.initializer.append(numpy_helper.from_array(np.array([4], np.int64), "four"))
+    bounds = {"Slice": 2, "Slice_1": 1, "Slice_2": 2, "Slice_3": 1}   # q, k: end / start
+    changed = 0
+    for node in model.graph.node:
+        layer, _, name = node.name.rpartition("/")
+        if node.op_type == "Slice" and layer.endswith("self_attn") and name in bounds:
+            node.input[bounds[name]] = "four"
+            changed += 1
+    assert changed == 8                                  # q and k, 2 slices, 2 layers
+    path = tmp_path / "not_rope.onnx"
+    onnx.save(model, path)
+    session = NPUSession(str(path), max_tokens=64)
+    _same_as_onnxruntime(session, str(path))
+    kinds = {r.kind for r in session.regions}
+    assert "rope" not in kinds and {"attention", "kv_append", "mlp"} <= kinds
+
+
+def test_inspect_counts_a_refused_attention_on_the_host(monkeypatch):
+    # attention refused: its FLOPs (at least q @ k^T and p @ v of both layers at the KV
+    # capacity: 2 matmuls x 2 x 4 heads x 16 x 1023 keys per layer) leave the NPU share
+    import edgetvm.npu_regions as npu_regions
+    path = str(DATA / "llama_tiny_with_past.onnx")
+    _, (full,), _ = inspect_model(path)
+    real = npu_regions.offloadable
+    monkeypatch.setattr(npu_regions, "offloadable", lambda r: r.kind != "attention" and real(r))
+    _, (report,), dims = inspect_model(path)
+    assert dims["past_sequence_length"] == 1023
+    assert report.host_region_counts() == {"attention_mask": 1, "attention": 2}
+    attention_matmuls = 2 * (2 * 2 * 4 * 16 * 1023)
+    assert report.recognised_flops == full.recognised_flops        # still recognised
+    assert report.recognised_flops - report.npu_flops >= attention_matmuls
+    assert full.npu_flops - report.npu_flops >= attention_matmuls
+
+
+def test_npu_attention_of_a_later_layer_reads_its_own_layers_pages(monkeypatch):
+    # the first layer's attention refused (as a layer of another form would be), the
+    # second's on the NPU: that one is the first NPU attention call of each step, and must
+    # still read layer 1's pages
+    real = session_module.offloadable
+    first = {}
+
+    def offload(r):
+        if r.kind == "attention" and first.setdefault("index", r.index) == r.index:
+            return False
+        return real(r)
+    monkeypatch.setattr(session_module, "offloadable", offload)
+    path = str(DATA / "llama_tiny_with_past.onnx")
+    session = NPUSession(path, max_tokens=64)
+    assert sum(r.kind == "attention" for r in session.regions) == 1
+    assert sum(r.kind == "kv_append" for r in session.regions) == 4
+    _same_as_onnxruntime(session, path)
+
+
+def test_a_partial_rotation_of_other_dimensions_stays_on_the_host(tmp_path):
+    # GPT-NeoX's partial rotary concat(rotate(x[..., :4]), x[..., 4:]) rebuilt as
+    # concat(rotate(x[..., 12:]), x[..., :12]): the partial-RoPE graph shape, another
+    # function; the NPU path rotates the first rotary_dim dimensions and appends the rest
+    model = onnx.load(DATA / "gpt_neox_tiny_with_past.onnx")
+    for name, value in (("twelve", 12), ("sixteen", 16), ("zero", 0)):
+        model.graph.initializer.append(numpy_helper.from_array(np.array([value], np.int64),
+                                                               name))
+    # rotated part (q: Slice_3, k: Slice_5) and pass-through part (Slice_4, Slice_6)
+    bounds = {"Slice_3": ("twelve", "sixteen"), "Slice_5": ("twelve", "sixteen"),
+              "Slice_4": ("zero", "twelve"), "Slice_6": ("zero", "twelve")}
+    changed = 0
+    for node in model.graph.node:
+        layer, _, name = node.name.rpartition("/")
+        if node.op_type == "Slice" and layer.endswith("attention") and name in bounds:
+            node.input[1], node.input[2] = bounds[name]
+            changed += 1
+    assert changed == 8                                  # q and k, 2 slices, 2 layers
+    path = tmp_path / "other_partial_rotary.onnx"
+    onnx.save(model, path)
+    session = NPUSession(str(path), max_tokens=64)
+    _same_as_onnxruntime(session, str(path))
+    # the NPU may rotate the 4 sliced-out dimensions as a whole (a full RoPE of width 4);
+    # the concat with the other 12 stays on the host
+    ropes = [(r.attrs["edgetvm.head_dim"], r.attrs["edgetvm.rotary_dim"])
+             for r in session.regions if r.kind == "rope"]
+    assert ropes == [("4", "4")] * 4
+
+
+def test_attention_uses_the_graphs_scale(tmp_path):
+    # Llama scales q and k^T by sqrt(1 / sqrt(16)) = 0.5 each: head_dim ** -0.5 overall;
+    # with 0.7 each the scale is 0.49, which the NPU kernel must use, not head_dim ** -0.5
+    model = onnx.load(DATA / "llama_tiny_with_past.onnx")
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type == "Mul" and node.name.split("/")[-1] in ("Mul_8", "Mul_9") and \
+                "self_attn" in node.name:
+            assert float(_set_constant(model, node.input[1], 0.7)) == 0.5
+            changed += 1
+    assert changed == 4                                   # q and k, 2 layers
+    path = tmp_path / "scaled.onnx"
+    onnx.save(model, path)
+    session = NPUSession(str(path), max_tokens=64)
+    scales = [float(r.attrs["edgetvm.scale"]) for r in session.regions if r.kind == "attention"]
+    assert scales == pytest.approx([0.49, 0.49], rel=1e-6)
+    _same_as_onnxruntime(session, str(path))

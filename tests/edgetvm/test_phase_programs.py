@@ -15,7 +15,7 @@ import pathlib
 
 import numpy as np
 import pytest
-from reference_loop import greedy_loop, onnxruntime_model
+from reference_loop import greedy_loop, onnxruntime_model, with_random_vectors
 
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.runner import LocalRunner
@@ -30,11 +30,15 @@ FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox")
 _compilers: dict = {}
 
 
-def _compiler(family, strategy):
-    key = (family, strategy)
+def _path(family):
+    return DATA / f"{family}_tiny_with_past.onnx"
+
+
+def _compiler(family, strategy, path=None):
+    key = (family, strategy, path)
     if key not in _compilers:
-        _compilers[key] = ModelCompiler(str(DATA / f"{family}_tiny_with_past.onnx"),
-                                        max_tokens=MAX_TOKENS, strategy=strategy, max_rows=16)
+        _compilers[key] = ModelCompiler(str(path or _path(family)), max_tokens=MAX_TOKENS,
+                                        strategy=strategy, max_rows=16)
     return _compilers[key]
 
 
@@ -47,9 +51,9 @@ def _runner(mc):
                        info, LocalRunner(mc.spec), page_pool=pool)
 
 
-def _check(family, strategy, chunk=None):
-    mc = _compiler(family, strategy)
-    ref_run, names, kv = onnxruntime_model(DATA / f"{family}_tiny_with_past.onnx")
+def _check(family, strategy, chunk=None, path=None):
+    mc = _compiler(family, strategy, path)
+    ref_run, names, kv = onnxruntime_model(path or _path(family))
     want, calls = greedy_loop(ref_run, names, kv, PROMPT, NEW_TOKENS, chunk)
     recs = _runner(mc).generate(PROMPT, NEW_TOKENS, chunk=chunk)
     got = [r.token for r in recs if r.token >= 0]
@@ -71,6 +75,15 @@ def test_every_family_token_exact_with_region_kernels(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_token_exact_with_mega_kernels(family):
     _check(family, "mega")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_biases_and_norm_gains_in_fused_kernels(family, tmp_path):
+    # the exports' biases are zero and their norm gains one; made random here, so a fused
+    # kernel that drops a bias or a gain, or swaps them, changes the answer
+    path = tmp_path / f"{family}_random_vectors.onnx"
+    assert with_random_vectors(_path(family), path) >= 5
+    _check(family, "mega", path=path)
 
 
 @pytest.mark.parametrize("family,strategy", [("llama", "op-library"), ("llama", "local"),
@@ -95,3 +108,89 @@ def test_fusion_changes_kernels_and_traffic_not_answers():
     assert kernels["regions"] > kernels["mega"]
     # a fused cluster keeps its intermediates in TCM: fewer activation bytes in DRAM
     assert progs["mega"].metadata["arena_bytes"] <= progs["op-library"].metadata["arena_bytes"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_edgellm_partition_token_exact(family):
+    _check(family, "edgellm")
+
+
+def test_edgellm_is_the_measured_minimum_over_valid_clusters():
+    # the DP's answer costs no more (by the search's own measurements) than the partitions
+    # the other strategies choose, and every cluster it picks is one kernel that may exist
+    from edgetvm.relax_passes.partition import can_join
+
+    mc = _compiler("llama", "regions")
+    for phase, rows, pages in (("prefill", 16, 1), ("decode", 1, 4)):
+        g = mc.graph(phase, rows, pages)
+        search = mc.search()
+        consumers = g.consumers()
+
+        def cost(groups):
+            total = 0
+            for grp in groups:
+                if g.ops[grp[0]].kind != "stage":
+                    continue
+                m = search.measure(g, grp, consumers)
+                assert m is not None
+                total += m.cycles
+            return total
+
+        best = mc.partition(g, "edgellm")
+        assert sorted(i for grp in best for i in grp) == list(range(len(g.ops)))
+        for grp in best:
+            assert grp == list(range(grp[0], grp[-1] + 1))
+            for k in range(1, len(grp)):
+                assert can_join(g, grp[:k], grp[k])
+        for other in ("op-library", "regions", "local", "mega"):
+            assert cost(best) <= cost(mc.partition(g, other)), (phase, other)
+        # a fused cluster is cheaper than its ops alone, so the DP fuses
+        assert len(best) < len(mc.partition(g, "op-library"))
+
+
+def test_cross_kernel_prefetch_overlaps_and_keeps_the_answer():
+    from edgetvm.target.emulator import Emulator
+    from edgetvm.target.isa import Launch
+
+    mc = _compiler("llama", "regions")
+    g = mc.graph("decode", 1, 4)
+    groups = mc.partition(g, "regions")
+    runner = _runner(mc)
+    runner.kv.reserve(0, 9)
+    progs, results = {}, {}
+    for prefetch in (False, True):
+        mc.prefetch = prefetch
+        try:
+            progs[prefetch] = mc.link(g, groups, f"decode_prefetch_{prefetch}")
+        finally:
+            mc.prefetch = True
+        emu = Emulator(mc.spec)
+        rng = np.random.default_rng(0)
+        for layer in range(g.layers):           # a cache with content: 9 tokens
+            for name in runner.kv.names(layer).values():
+                emu.state[name] = rng.standard_normal(runner.kv.layout.shape).astype(
+                    np.float16)
+        params = runner.params_for(progs[prefetch], ("decode", 1, 4), [11], 9)
+        results[prefetch] = emu.run(progs[prefetch], {}, params)
+    carried = [c for c in progs[True].commands if isinstance(c, Launch) and c.carry]
+    assert carried and not any(isinstance(c, Launch) and c.carry for c in progs[False].commands)
+    np.testing.assert_array_equal(results[True].outputs["logits"],
+                                  results[False].outputs["logits"])
+    assert results[True].counters.total_cycles < results[False].counters.total_cycles
+
+
+def test_kv_capacity_bounded_by_a_learned_position_table():
+    import onnx
+
+    from edgetvm.build.graph import BuildError
+
+    model = onnx.load(str(_path("gpt2")))
+    wpe = [i for i in model.graph.initializer if "wpe" in i.name]
+    assert len(wpe) == 1
+    rows = wpe[0].dims[0]
+    mc = ModelCompiler(str(_path("gpt2")), max_rows=16)      # default capacity: capped
+    assert mc.max_tokens == min(1024, rows)
+    with pytest.raises(BuildError, match=f"table of {rows} rows"):
+        ModelCompiler(str(_path("gpt2")), max_tokens=rows + 1, max_rows=16)
+    # RoPE models look nothing up by position: the default capacity stands
+    assert ModelCompiler(str(_path("llama")), max_rows=16).max_tokens == 1024

@@ -10,6 +10,7 @@ import pytest
 
 from edgetvm.generate import KVSpec, StepRecord, greedy, tokens_of
 from edgetvm.run import compare_logits, main
+from edgetvm.runtime.model import ModelRunner
 from edgetvm.session import NPUSession
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
@@ -86,29 +87,45 @@ def test_greedy_chunked_prompt_yields_a_token_only_after_the_last_chunk():
     assert [c["position_ids"][0, 0] for c in model.calls] == [0, 2, 4, 5]
 
 
-def test_run_check_onnx_fails_on_logits_with_identical_ids(monkeypatch, capsys):
-    real_call = NPUSession.__call__
+def _patch_logits(monkeypatch, edit, reference: bool):
+    """Make the NPU's logits ``edit(logits)`` on the compiled path (ModelRunner.step) or
+    on the reference path (NPUSession)."""
+    if reference:
+        real_call = NPUSession.__call__
 
-    def shifted(self, feeds):         # every logit + 0.5: the argmax, so the ids, unchanged
-        out, meter = real_call(self, feeds)
-        out["logits"] = out["logits"] + 0.5
-        return out, meter
-    monkeypatch.setattr(NPUSession, "__call__", shifted)
+        def call(self, feeds):
+            out, meter = real_call(self, feeds)
+            out["logits"] = edit(out["logits"])
+            return out, meter
+        monkeypatch.setattr(NPUSession, "__call__", call)
+    else:
+        real_step = ModelRunner.step
+
+        def step(self, ids, pos, trace=False):
+            logits, counters, key = real_step(self, ids, pos, trace)
+            return edit(logits), counters, key
+        monkeypatch.setattr(ModelRunner, "step", step)
+    return ["--reference"] if reference else []
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_run_check_onnx_fails_on_logits_with_identical_ids(monkeypatch, capsys, reference):
+    # every logit + 0.5: the argmax, so the ids, unchanged
+    extra = _patch_logits(monkeypatch, lambda x: x + 0.5, reference)
     assert main([MODEL, "--prompt-ids", "5,17,42", "--max-new-tokens", "2",
-                 "--check-onnx"]) == 1
+                 "--check-onnx", *extra]) == 1
     out = capsys.readouterr().out
     worst = float(re.search(r"max \|logits diff\| ([0-9.e+-]+)", out).group(1))
     assert "ids identical" in out and 0.5 <= worst < 0.6
 
 
-def test_run_check_onnx_fails_on_different_ids(monkeypatch, capsys):
-    real_call = NPUSession.__call__
-
-    def wrong(self, feeds):
-        out, meter = real_call(self, feeds)
-        out["logits"][..., 3] += 100.0      # token 3 wins every step
-        return out, meter
-    monkeypatch.setattr(NPUSession, "__call__", wrong)
+@pytest.mark.parametrize("reference", [False, True])
+def test_run_check_onnx_fails_on_different_ids(monkeypatch, capsys, reference):
+    def wrong(x):
+        x = np.array(x, copy=True)
+        x[..., 3] += 100.0                  # token 3 wins every step
+        return x
+    extra = _patch_logits(monkeypatch, wrong, reference)
     assert main([MODEL, "--prompt-ids", "5,17,42", "--max-new-tokens", "2",
-                 "--check-onnx"]) == 1
+                 "--check-onnx", *extra]) == 1
     assert "ids DIFFER" in capsys.readouterr().out

@@ -148,3 +148,35 @@ def test_smollm2_capital_of_france():
     s = NPUSession(path, max_tokens=64)
     recs = greedy(s, KVSpec.of(path), [1, 504, 3575, 282, 4649, 314], 2)
     assert tokens_of(recs) == [7042, 30]                 # " Paris", as onnxruntime
+
+
+@pytest.mark.parametrize("k, n, block, zero_points, bias", [
+    (96, 40, 32, "uint4", True),      # 3 blocks: the odd zero point in a padded byte
+    (80, 48, 64, None, True),          # K not a multiple of the block: padded on the NPU
+    (256, 16, 128, "uint4", False),
+    (64, 16, 32, "float", True),       # float (fp16) zero points, dequantised by the Mma
+])
+def test_matmul_nbits_on_the_npu_matches_numpy(k, n, block, zero_points, bias):
+    # MatMulNBits alone, as a linear region on the NPU: its packed weight, scales, uint4
+    # or float zero points and bias bound to the W4A16 kernel, against numpy from the op's definition
+    from test_frontend import matmul_nbits_model
+    model, weight, bias_value = matmul_nbits_model(k, n, block, zero_points, bias)
+    s = NPUSession(model)
+    a = np.random.default_rng(1).standard_normal((2, 3, k)).astype(np.float32)
+    out, meter = s({"A": a})
+    want = a.astype(np.float64) @ weight.T + bias_value
+    assert np.abs(out["Y"] - want).max() <= ATOL + RTOL * np.abs(want).max()
+    assert [r.kind for r in s.regions] == ["linear"]
+    assert meter.kernels == 1
+
+
+def test_negative_token_ids_index_from_the_end_like_onnx_gather(session, kv):
+    # ONNX Gather: an index -i is vocab - i; the NPU embedding DMA's offset must wrap too
+    session.reset()
+    ref = ort.InferenceSession(WITH_PAST, providers=["CPUExecutionProvider"])
+    names = [o.name for o in ref.get_outputs()]
+    for ids in ([5, -1, 42, -2048], [-3]):
+        feeds = feeds_for(kv, ids, 0, None)
+        want = dict(zip(names, ref.run(None, feeds)))["logits"]
+        got = session(feeds)[0]["logits"]
+        assert np.abs(got - want).max() <= ATOL + RTOL * np.abs(want).max()

@@ -11,7 +11,7 @@ from edgetvm.target import program_format as pf
 from edgetvm.target.builder import ProgramBuilder
 from edgetvm.target.emulator import Emulator
 from edgetvm.target.isa import (Affine, DmaLoad, DmaStore, DramRef, EventSignal, EventWait,
-                                HostOp, Launch, Mma, Vector)
+                                HostOp, Launch, Mma, TcmRef, Vector)
 from edgetvm.target.spec import EMULATOR_MODEL_VERSION
 
 
@@ -151,3 +151,40 @@ def test_valid_checksum_over_malformed_json_is_refused(blob):
     body = pf._HEAD.pack(pf.MAGIC, pf.FORMAT_VERSION, len(js)) + js + struct.pack("<Q", 0)
     with pytest.raises(ProgramFormatError, match="malformed program"):
         pf.loads(body + hashlib.sha256(body).digest())
+
+
+def _v1(program, v2: bytes) -> bytes:
+    """``program`` as format version 1 wrote it: each command a JSON object of its fields,
+    operands inline (written here from the format's description, not by edgetvm)."""
+    import dataclasses
+    import hashlib
+    import json
+
+    def enc(v):
+        if isinstance(v, TcmRef):
+            return {"tcm": [v.offset, v.shape[0], v.shape[1], v.dtype, v.row_stride]}
+        if isinstance(v, DramRef):
+            return {"dram": [v.tensor, v.shape[0], v.shape[1], v.row_stride, enc(v.offset)]}
+        if isinstance(v, Affine):
+            return {"affine": [v.const, [list(t) for t in v.terms]]}
+        if isinstance(v, tuple):
+            return [enc(x) for x in v]
+        return v
+
+    _, _, jlen = pf._HEAD.unpack_from(v2)
+    js = json.loads(v2[pf._HEAD.size:pf._HEAD.size + jlen])
+    rest = v2[pf._HEAD.size + jlen:-32]                          # blob length + blob
+    js.pop("classes"), js.pop("operands")
+    js["commands"] = [{"command": type(c).__name__,
+                       **{f.name: enc(getattr(c, f.name)) for f in dataclasses.fields(c)}}
+                      for c in program.commands]
+    body = json.dumps(js).encode()
+    body = pf._HEAD.pack(pf.MAGIC, 1, len(body)) + body + rest
+    return body + hashlib.sha256(body).digest()
+
+
+def test_a_version_1_file_still_loads(spec):
+    p = rich_program(spec)
+    q = pf.loads(_v1(p, pf.dumps(p)))
+    assert q.commands == p.commands and q.params == p.params
+    assert pf.loads(pf.dumps(q)).commands == p.commands          # and saves as version 2

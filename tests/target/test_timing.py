@@ -280,6 +280,28 @@ def test_launch_costs_launch_cycles(spec):
     assert Emulator(s2).run(prog, x).counters.total_cycles == base + 2000
 
 
+@pytest.mark.parametrize("short", [0.0, 1e-12, 5e-10])
+def test_a_launch_that_lands_on_a_dvfs_boundary_terminates(spec, short):
+    # a float clock within _EPS short of a DVFS boundary once made the launch loop spin
+    # forever (the governor only acted on a step that crossed the boundary)
+    import signal
+
+    x = {"x": np.zeros((8, 64), np.float32)}
+    prog = chain(spec)
+    prog.commands.insert(0, Launch(name="k"))
+    base = Emulator(spec).run(prog, x).counters.total_cycles
+    clock = Emulator(spec).timeline()
+    clock.now = clock.next_dvfs - short
+    old = signal.signal(signal.SIGALRM, lambda *a: pytest.fail("the run does not end"))
+    signal.alarm(20)
+    try:
+        c = clock.run(prog, x).counters
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert abs(c.total_cycles - base) <= 1
+
+
 def test_busy_and_stall_counters(spec):
     """The smoke GEMM: A on dma0, B on dma1 (sharing the bus), one MMA, store on dma0."""
     b = ProgramBuilder("gemm", spec)

@@ -1,0 +1,264 @@
+"""Fusion strategies measured on whole phase programs: the source study's Table 4.
+
+For SmolLM2-135M on ``edge-npu-16mb``, each fusion strategy's partition is compiled into
+one static program per case and run on the emulator under each power profile:
+
+* scope ``model``: the whole forward pass (the program ``edgetvm.build`` ships);
+* scope ``layer``: one decoder layer's ops (those from layer 0's KV append up to layer
+  1's: attention, O projection, MLP, and the next layer's norm, QKV and RoPE), linked and
+  run alone;
+
+at prefill 128, prefill 512 (from position 0) and decode at KV 1024 (1,024 cached tokens,
+1 new). Per row: DRAM bytes, latency, energy, peak windowed power, throttled cycles, the
+number of clusters (kernels), and latency relative to ``op-library`` in the same case.
+Every strategy uses the same default (untuned) knobs per kernel; ``edgellm`` chooses its
+cut points from emulator measurements of candidate clusters (edgetvm/build/search.py).
+
+Numerics: every model-scope run's logits are compared with onnxruntime on the same ONNX
+file (prefill: a random prompt; decode: a random token after 1,024 random tokens, whose
+K/V onnxruntime computes and the emulator's KV pages are loaded with); a row outside
+tolerance fails the run. Every strategy sees the same inputs.
+
+    python benchmarks/strategies.py [--quick] [--json PATH] [--model PATH]
+        [--strategies a,b] [--profiles a,b] [--quantize G]
+
+``--quick``: layer scope at prefill 128 and decode, model scope at decode, profile
+``performance``. The model is ``--model``, else ``$EDGETVM_SMOLLM2`` or ``../smollm2``
+(``../shared/tools/models/make_smollm2.sh`` builds it).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edgetvm.build.compiler import ModelCompiler
+from edgetvm.generate import KVSpec, feeds_for, onnxruntime_runner
+from edgetvm.relax_passes.partition import STRATEGIES
+from edgetvm.run import DEFAULT_ATOL, DEFAULT_RTOL
+from edgetvm.target.emulator import Emulator
+from edgetvm.runtime.model import ModelInfo, ModelRunner
+from report import write_json
+
+REPO = Path(__file__).resolve().parent.parent
+#: (name, phase, rows, tokens in the cache before the step)
+CASES = (("prefill 128", "prefill", 128, 0), ("prefill 512", "prefill", 512, 0),
+         ("decode @1024", "decode", 1, 1024))
+MAX_TOKENS = 1040
+
+
+def find_model() -> Path | None:
+    for folder in (os.environ.get("EDGETVM_SMOLLM2"), REPO.parent / "smollm2"):
+        if folder and (Path(folder) / "optimum_with_past/model.onnx").is_file():
+            return Path(folder) / "optimum_with_past/model.onnx"
+    return None
+
+
+def _pages(tokens: int, page_tokens: int) -> int:
+    p = 1
+    while p * page_tokens < tokens:
+        p *= 2
+    return p
+
+
+def layer_slice(graph):
+    """Indices of one layer's ops: from layer 0's KV append to layer 1's."""
+    appends = [i for i, op in enumerate(graph.ops) if op.kind == "kv_append"]
+    if len(appends) < 2:
+        raise SystemExit("the model has fewer than two layers: no layer scope")
+    return appends[0], appends[1]
+
+
+def sub_graph(graph, lo: int, hi: int):
+    """The ops ``lo:hi`` of ``graph`` as a graph of their own: what they compute for ops
+    after them becomes an output of the program."""
+    consumers = graph.consumers()
+    tensors = dict(graph.tensors)
+    for op in graph.ops[lo:hi]:
+        for v in op.outputs.values():
+            if any(c >= hi for c in consumers.get(v.tensor, ())):
+                tensors[v.tensor] = dataclasses.replace(tensors[v.tensor], kind="output")
+    return dataclasses.replace(graph, ops=graph.ops[lo:hi], tensors=tensors)
+
+
+class Bench:
+    def __init__(self, model: str, quantize, profiles):
+        t0 = time.time()
+        self.model = model
+        self.mc = ModelCompiler(model, max_tokens=MAX_TOKENS, max_rows=512, quantize=quantize,
+                                strategy="regions")
+        print(f"front end: {time.time() - t0:.1f} s", flush=True)
+        self.profiles = profiles
+        self.kv = KVSpec.of(model)
+        self.ort = onnxruntime_runner(model)
+        self._inputs: dict = {}
+
+    def info(self, graph) -> ModelInfo:
+        return ModelInfo(graph.layers, graph.kv_heads, graph.head_dim, self.mc.page_tokens,
+                         MAX_TOKENS, int(graph.tensors["logits"].shape[-1]))
+
+    def programs(self, scope, phase, rows, pages, strategy, profile):
+        """(program, clusters, build seconds, edgellm measurements)."""
+        mc = self.mc
+        t0 = time.time()
+        g = mc.graph(phase, rows, pages)
+        before = mc.search(profile).measurements
+        if scope == "layer":
+            g = sub_graph(g, *layer_slice(g))
+        groups = mc.partition(g, strategy, profile)
+        program = mc.link(g, groups, f"{scope}_{phase}_{rows}x{pages}p_{strategy}",
+                          strategy=strategy)
+        return program, len(groups), time.time() - t0, mc.search(profile).measurements - before
+
+    def inputs(self, case, vocab):
+        """(ids, past) of a case, the same for every strategy: random token ids, and for
+        decode the KV of ``cached`` random tokens as onnxruntime computes it."""
+        name, phase, rows, cached = case
+        if name not in self._inputs:
+            rng = np.random.default_rng(len(self._inputs))
+            ids = [int(i) for i in rng.integers(0, vocab, size=rows)]
+            past = None
+            if cached:
+                prompt = [int(i) for i in rng.integers(0, vocab, size=cached)]
+                outs, _ = self.ort(feeds_for(self.kv, prompt, 0, None))
+                past = {n: outs[n] for names in self.kv.names for n in names[2:]}
+            self._inputs[name] = (ids, past)
+        return self._inputs[name]
+
+    def run(self, scope, case, strategy, profile) -> dict:
+        name, phase, rows, cached = case
+        pages = _pages(cached + rows, self.mc.page_tokens)
+        program, clusters, build_s, measured = self.programs(scope, phase, rows, pages,
+                                                             strategy, profile)
+        g = self.mc.graph(phase, rows, pages)
+        vocab = int(g.tensors["logits"].shape[-1])
+        ids, past = self.inputs(case, vocab)
+        key = (phase, rows, pages)
+        # the runtime's page bookkeeping and parameters; the program runs on an emulator
+        # of our own so that the cache can hold onnxruntime's past
+        model = ModelRunner({key: program}, [key, ("prefill" if phase == "decode" else
+                                                   "decode", 1, 1)], self.info(g), None)
+        emu = Emulator(self.mc.spec, profile)
+        if cached:
+            model.kv.reserve(0, cached)
+            self.upload(emu, model.kv, past)
+        params = model.params_for(program, key, ids, cached)
+        t0 = time.time()
+        res = emu.run(program, {}, params)
+        c = res.counters
+        row = dict(scope=scope, case=name, strategy=strategy, profile=profile,
+                   clusters=clusters, build_s=round(build_s, 2), edgellm_measurements=measured,
+                   run_s=round(time.time() - t0, 2))
+        if scope == "model":
+            logits = np.asarray(res.outputs["logits"], np.float32).reshape(-1, vocab)[-1]
+            row.update(self.check(ids, cached, past, logits))
+        row.update(dram_bytes=int(c.dram_read_bytes + c.dram_write_bytes),
+                   cycles=int(c.total_cycles), latency_us=float(c.time_us),
+                   energy_uj=float(c.energy_uj), peak_power_mw=float(c.peak_power_mw),
+                   throttled_cycles=int(c.throttled_cycles), launches=int(c.launches))
+        return row
+
+    def upload(self, emu, kv, past) -> None:
+        """Host -> device copy of onnxruntime's past into the pages (set-up, not measured):
+        layer N's pages hold ``present.N.key`` / ``.value``."""
+        for k_in, v_in, k_out, v_out in self.kv.names:
+            layer = int(re.search(r"\.(\d+)\.", k_in).group(1))
+            names = kv.names(layer)
+            for state, src in ((names["K_cache"], k_out), (names["V_cache"], v_out)):
+                pages = np.zeros(kv.layout.shape, np.float16)
+                arr = past[src][0]                       # (heads, tokens, head_dim)
+                for t in range(arr.shape[1]):
+                    pages[kv.page_table[t // kv.page_tokens], :, t % kv.page_tokens] = arr[:, t]
+                emu.state[state] = pages
+
+    def check(self, ids, cached, past, logits) -> dict:
+        outs, _ = self.ort(feeds_for(self.kv, ids, cached, past))
+        ref = np.asarray(outs["logits"][0, -1], np.float32)
+        diff = float(np.abs(logits - ref).max())
+        tol = DEFAULT_ATOL + DEFAULT_RTOL * float(np.abs(ref).max())
+        return dict(max_abs_diff=diff, tolerance=tol, numerics_ok=diff <= tol,
+                    same_argmax=int(np.argmax(logits)) == int(np.argmax(ref)))
+
+
+def print_table(rows) -> None:
+    hdr = (f"{'scope':<6} {'case':<13} {'profile':<12} {'strategy':<11} {'clusters':>8} "
+           f"{'DRAM MB':>8} {'latency us':>11} {'vs op-lib':>9} {'energy uJ':>10} "
+           f"{'peak mW':>8} {'throttled':>9} {'numerics':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        num = "" if "numerics_ok" not in r else ("ok" if r["numerics_ok"] else "WRONG")
+        ratio = f"{r['vs_op_library']:.3f}" if r.get("vs_op_library") else "-"
+        print(f"{r['scope']:<6} {r['case']:<13} {r['profile']:<12} {r['strategy']:<11} "
+              f"{r['clusters']:>8} {r['dram_bytes'] / 1e6:>8.2f} {r['latency_us']:>11.1f} "
+              f"{ratio:>9} {r['energy_uj']:>10.1f} {r['peak_power_mw']:>8.0f} "
+              f"{r['throttled_cycles']:>9} {num:>9}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="layer scope at prefill 128 and decode, model decode, performance")
+    ap.add_argument("--json", help="write the rows as JSON to this path")
+    ap.add_argument("--model", help="a text-generation-with-past ONNX export (default SmolLM2)")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--profiles", default=None, help="default: performance,balanced")
+    ap.add_argument("--quantize", type=int, default=None, metavar="G",
+                    help="W4A16 with group G (default: fp16 weights)")
+    args = ap.parse_args(argv)
+    model = args.model or find_model()
+    if model is None:
+        print("SmolLM2 not found: pass --model, set $EDGETVM_SMOLLM2, or build it with "
+              "../shared/tools/models/make_smollm2.sh", file=sys.stderr)
+        return 2
+    strategies = args.strategies.split(",")
+    unknown = sorted(set(strategies) - set(STRATEGIES))
+    if unknown:
+        ap.error(f"unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
+    if "op-library" not in strategies:
+        strategies.insert(0, "op-library")
+    profiles = (args.profiles or ("performance" if args.quick else "performance,balanced"))
+    profiles = profiles.split(",")
+    if args.quick:
+        plan = [("layer", CASES[0]), ("layer", CASES[2]), ("model", CASES[2])]
+    else:
+        plan = [(s, c) for s in ("layer", "model") for c in CASES]
+    bench = Bench(str(model), args.quantize, profiles)
+    for p in profiles:
+        bench.mc.spec.profile(p)                  # unknown profiles fail before any work
+    rows = []
+    for scope, case in plan:
+        for profile in profiles:
+            base = None
+            for strategy in strategies:
+                r = bench.run(scope, case, strategy, profile)
+                base = r["cycles"] if strategy == "op-library" else base
+                r["vs_op_library"] = r["cycles"] / base
+                rows.append(r)
+                print(f"  {scope} {case[0]} {profile} {strategy}: {r['cycles']} cycles, "
+                      f"{r['clusters']} clusters (build {r['build_s']} s, run {r['run_s']} s)",
+                      flush=True)
+    print()
+    print_table(rows)
+    wrong = [r for r in rows if r.get("numerics_ok") is False]
+    if args.json:
+        write_json(args.json, {"benchmark": "strategies", "model": str(model),
+                               "target": bench.mc.spec.name, "quantize": args.quantize,
+                               "rows": rows})
+    if wrong:
+        for r in wrong:
+            print(f"WRONG: {r['scope']} {r['case']} {r['profile']} {r['strategy']}: max "
+                  f"|logit diff| {r['max_abs_diff']:.4f} > {r['tolerance']:.4f}",
+                  file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
