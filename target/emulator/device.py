@@ -514,9 +514,13 @@ class _Run:
             remaining = float(self.spec.launch_cycles)
             while remaining > _EPS:
                 t = self.clock.now + remaining / self.clock.scale
-                nxt = min(t, self.clock.next_dvfs)
-                remaining -= (nxt - self.clock.now) * self.clock.scale
-                self._advance(nxt)
+                if t < self.clock.next_dvfs:          # ends at this clock scale
+                    self._advance(t)
+                    break
+                # at the boundary the governor may change the scale (each pass crosses
+                # one, so the loop ends however small a float step gets at a late clock)
+                remaining -= (self.clock.next_dvfs - self.clock.now) * self.clock.scale
+                self._advance(self.clock.next_dvfs)
             if self.want_trace:
                 self.trace.append(TraceEvent("control", f"Launch {cmd.name}".strip(), i,
                                              start - self.t0, self.clock.now - self.t0))

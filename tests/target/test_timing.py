@@ -280,10 +280,15 @@ def test_launch_costs_launch_cycles(spec):
     assert Emulator(s2).run(prog, x).counters.total_cycles == base + 2000
 
 
-@pytest.mark.parametrize("short", [0.0, 1e-12, 5e-10])
-def test_a_launch_that_lands_on_a_dvfs_boundary_terminates(spec, short):
-    # a float clock within _EPS short of a DVFS boundary once made the launch loop spin
-    # forever (the governor only acted on a step that crossed the boundary)
+@pytest.mark.parametrize("now, boundary, scale", [
+    (10000.0, 10000.0, 1.0), (10000.0 - 1e-12, 10000.0, 1.0), (10000.0 - 5e-10, 10000.0, 1.0),
+    # a launch that crosses a boundary throttled, late in a long step: the float step left
+    # after the crossing (~1e-8 cycles) is below the clock's resolution at 8.7e7 cycles
+    (87179674.69190432, 87180000.0, 0.5)])
+def test_a_launch_at_a_dvfs_boundary_terminates(spec, now, boundary, scale):
+    # both once made the launch loop spin forever: a clock within _EPS short of a
+    # boundary (the governor only acted on a step that crossed it), and a remainder of
+    # the launch too small to move the clock
     import signal
 
     x = {"x": np.zeros((8, 64), np.float32)}
@@ -291,7 +296,7 @@ def test_a_launch_that_lands_on_a_dvfs_boundary_terminates(spec, short):
     prog.commands.insert(0, Launch(name="k"))
     base = Emulator(spec).run(prog, x).counters.total_cycles
     clock = Emulator(spec).timeline()
-    clock.now = clock.next_dvfs - short
+    clock.now, clock.next_dvfs, clock.scale = now, boundary, scale
     old = signal.signal(signal.SIGALRM, lambda *a: pytest.fail("the run does not end"))
     signal.alarm(20)
     try:
@@ -299,7 +304,8 @@ def test_a_launch_that_lands_on_a_dvfs_boundary_terminates(spec, short):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
-    assert abs(c.total_cycles - base) <= 1
+    # the launch's 400 cycles at half clock until the boundary: the step takes longer
+    assert base <= c.total_cycles <= base + spec.launch_cycles + 1
 
 
 def test_busy_and_stall_counters(spec):
