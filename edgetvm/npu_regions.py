@@ -26,8 +26,14 @@ F16 = "float16"
 
 def default_knobs(m: int, matmuls: dict) -> list:
     """Default (untuned) knob sets, largest tiles first; the first that fits TCM is used."""
-    out = []
-    for tm, scale in ((min(m, 32), 1), (min(m, 16), 2), (min(m, 8), 4), (min(m, 4), 8)):
+    out, seen = [], set()
+    # row tiles as tall as the TCM allows first: every row tile streams the whole weight
+    # matrix once, so a prefill of m rows in tiles of 32 reads its weights m / 32 times
+    for tm, scale in ((min(m, 512), 1), (min(m, 256), 1), (min(m, 128), 1), (min(m, 64), 1),
+                      (min(m, 32), 1), (min(m, 16), 2), (min(m, 8), 4), (min(m, 4), 8)):
+        if (tm, scale) in seen:
+            continue
+        seen.add((tm, scale))
         mm = {}
         for stage, (n, k, group) in matmuls.items():
             tk = k if k <= 2048 else 1024

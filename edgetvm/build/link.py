@@ -212,11 +212,15 @@ class Linker:
         tcm_base, prefetch = self._tcm_base(prog.tcm_bytes)
         hoisted, body = [], []
         blocked = set()                   # DMA channels with a command left in the body
-        for cmd in prog.commands:
+        edits, first_weights, extra_events = ({}, {}, 0) if not prefetch else \
+            _unblock_first_weights(prog)
+        for i, cmd in enumerate(prog.commands):
             if isinstance(cmd, End):
                 continue
             if isinstance(cmd, HostOp):
                 raise BuildError(f"kernel {kernel.name} has a host op")
+            if i in edits:
+                cmd = dataclasses.replace(cmd, **edits[i])
             cmd = _renumber(cmd, shift)
             if tcm_base:
                 cmd = _shift_tcm(cmd, tcm_base)
@@ -230,6 +234,10 @@ class Linker:
                         cmd.channel not in blocked and \
                         prog.tensors[ref.tensor].kind == "const":
                     out = hoisted
+                    if first_weights.get(i):
+                        blocked.add(cmd.channel)   # the loads it passed wait in the body
+                elif first_weights.get(i) is False:
+                    pass                  # passed by the channel's first weights: own event
                 else:
                     blocked.add(cmd.channel)
                 out.extend(_split_dma(cmd, relocate_window(ref, view, tensor, base)))
@@ -241,7 +249,7 @@ class Linker:
         self.builder.emit(Launch(name=kernel.name, carry=tuple(c.dst for c in hoisted)))
         for c in body:
             self.builder.emit(c)
-        self.events += _event_count(prog)
+        self.events += _event_count(prog) + extra_events
         self.tcm_high = max(self.tcm_high, tcm_base + prog.tcm_bytes)
         self._prev = (tcm_base, prog.tcm_bytes)
         for p in prog.params:
@@ -315,6 +323,60 @@ def _shift_tcm(cmd, base: int):
             changes[name] = tuple(dataclasses.replace(r, offset=r.offset + base)
                                   if isinstance(r, TcmRef) else r for r in v)
     return dataclasses.replace(cmd, **changes) if changes else cmd
+
+
+def _unblock_first_weights(prog):
+    """Let each DMA channel's first weight load be prefetched past the activation loads
+    queued before it.
+
+    A channel's queue often starts with activation loads that signal nothing, then the
+    first weight tile, whose event tells its consumer that all of them arrived (the FIFO
+    orders them). Moving the weight load before the launch breaks that: so each such
+    activation load gets an event of its own, which the weight event's consumer also
+    waits on. Returns ``(edits, first_weights, new events)``: command index -> fields to
+    replace; index -> True for a weight load that may move, False for a load it passes."""
+    n_events = _event_count(prog)
+    edits, first, new = {}, {}, 0
+    queues: dict = {}
+    for i, c in enumerate(prog.commands):
+        if isinstance(c, (DmaLoad, DmaStore)):
+            queues.setdefault(c.channel, []).append(i)
+    for channel, idx in queues.items():
+        passed = []
+        for i in idx:
+            c = prog.commands[i]
+            if not isinstance(c, DmaLoad) or c.wait:
+                break
+            if prog.tensors[c.src.tensor].kind == "const":
+                if passed and len(c.signal) == 1:
+                    consumer = _consumer(prog.commands, i, c.signal[0])
+                    if consumer is not None and consumer not in edits:
+                        evs = tuple(range(n_events + new, n_events + new + len(passed)))
+                        new += len(passed)
+                        for a, e in zip(passed, evs):
+                            edits[a] = {"signal": (e,)}
+                            first[a] = False
+                        cw = prog.commands[consumer].wait
+                        edits[consumer] = {"wait": tuple(cw) + evs}
+                        first[i] = True
+                break
+            if c.signal:
+                break
+            passed.append(i)
+    return edits, first, new
+
+
+def _consumer(commands, index: int, event: int):
+    """The command whose wait consumes the signal of ``event`` by command ``index`` (the
+    k-th wait on an event consumes its k-th signal)."""
+    k = sum(1 for c in commands[:index] for e in c.signal if e == event)
+    seen = 0
+    for j, c in enumerate(commands):
+        n = sum(1 for e in c.wait if e == event)
+        if seen + n > k:
+            return j
+        seen += n
+    return None
 
 
 def _event_count(program) -> int:
