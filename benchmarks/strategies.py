@@ -50,6 +50,8 @@ REPO = Path(__file__).resolve().parent.parent
 #: (name, phase, rows, tokens in the cache before the step)
 CASES = (("prefill 128", "prefill", 128, 0), ("prefill 512", "prefill", 512, 0),
          ("decode @1024", "decode", 1, 1024))
+#: --cases names: scope/case
+CASE_NAMES = {"p128": CASES[0], "p512": CASES[1], "d1024": CASES[2]}
 MAX_TOKENS = 1040
 
 
@@ -209,6 +211,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="a text-generation-with-past ONNX export (default SmolLM2)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--profiles", default=None, help="default: performance,balanced")
+    ap.add_argument("--cases", default=None, metavar="SCOPE/CASE,...",
+                    help="e.g. layer/p512,model/d1024 (scopes layer, model; cases p128, "
+                         "p512, d1024; default: all six)")
     ap.add_argument("--quantize", type=int, default=None, metavar="G",
                     help="W4A16 with group G (default: fp16 weights)")
     args = ap.parse_args(argv)
@@ -225,7 +230,15 @@ def main(argv=None) -> int:
         strategies.insert(0, "op-library")
     profiles = (args.profiles or ("performance" if args.quick else "performance,balanced"))
     profiles = profiles.split(",")
-    if args.quick:
+    if args.cases:
+        plan = []
+        for item in args.cases.split(","):
+            scope, _, case = item.partition("/")
+            if scope not in ("layer", "model") or case not in CASE_NAMES:
+                ap.error(f"--cases: {item!r} is not SCOPE/CASE (layer|model / "
+                         f"{'|'.join(CASE_NAMES)})")
+            plan.append((scope, CASE_NAMES[case]))
+    elif args.quick:
         plan = [("layer", CASES[0]), ("layer", CASES[2]), ("model", CASES[2])]
     else:
         plan = [(s, c) for s in ("layer", "model") for c in CASES]

@@ -120,7 +120,9 @@ class ModelCompiler:
         from .search import SegmentSearch
         profile = self.spec.profile(profile or self.profile).name
         if profile not in self._searches:
-            self._searches[profile] = SegmentSearch(self.kernels, self.spec, profile)
+            self._searches[profile] = SegmentSearch(self.kernels, self.spec, profile,
+                                                    link=self.link,
+                                                    page_tokens=self.page_tokens)
         return self._searches[profile]
 
     def partition(self, graph, strategy: str | None = None, profile: str | None = None):

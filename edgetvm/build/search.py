@@ -47,12 +47,17 @@ class Measured:
 class SegmentSearch:
     """Measures candidate clusters of one compiler's phases and solves the cut-point DP."""
 
-    def __init__(self, kernels, spec, profile=None, max_ops: int = MAX_CLUSTER_OPS):
+    def __init__(self, kernels, spec, profile=None, max_ops: int = MAX_CLUSTER_OPS,
+                 link=None, page_tokens: int = 16):
         self.kernels, self.spec = kernels, spec
+        self.profile = profile
         self.emulator = Emulator(spec, profile)
         self.max_ops = max_ops
+        self.link = link                  # (graph, groups, name) -> Program, or None
+        self.page_tokens = page_tokens
         self._measured: dict = {}
         self.measurements = 0
+        self.whole_runs = 0
 
     def measure(self, graph, group, consumers):
         """The candidate's measured cost, or None when it does not lower (TCM)."""
@@ -78,6 +83,49 @@ class SegmentSearch:
         return hit
 
     def partition(self, graph) -> list:
+        """The DP's partition, or the largest-fit one (``mega``) when that measures faster
+        as a whole program (with ``link``): the DP adds up clusters measured alone, and a
+        whole step also has prefetch across kernel boundaries and power windows that span
+        kernels, so the two candidates are linked and run whole, and the faster kept."""
+        best = self.cut_points(graph)
+        if self.link is None:
+            return best
+        from edgetvm.relax_passes.partition import mega
+
+        consumers = graph.consumers()
+        other = mega(graph, lambda grp: self.measure(graph, grp, consumers) is not None)
+        if other == best:
+            return best
+        cycles = {k: self.run_whole(graph, groups) for k, groups in (("dp", best),
+                                                                     ("mega", other))}
+        log.info("edgellm %s %dx%dp whole: DP %d cycles, largest-fit %d", graph.phase,
+                 graph.rows, graph.pages, cycles["dp"], cycles["mega"])
+        return best if cycles["dp"] <= cycles["mega"] else other
+
+    def run_whole(self, graph, groups) -> int:
+        """Cycles of the linked program of ``groups``, run once at the bucket's full
+        length on a zero KV cache (timing does not depend on the values)."""
+        from edgetvm.runtime.model import ModelInfo, ModelRunner
+
+        program = self.link(graph, groups, f"edgellm_{graph.phase}_{graph.rows}x{graph.pages}p")
+        pt = self.page_tokens
+        tokens = graph.pages * pt
+        key = (graph.phase, graph.rows, graph.pages)
+        other = ("decode", 1, 1) if graph.phase == "prefill" else ("prefill", graph.rows, 1)
+        info = ModelInfo(graph.layers, graph.kv_heads, graph.head_dim, pt, tokens,
+                         int(graph.tensors[graph.logits].shape[-1]))
+        model = ModelRunner({key: program}, [key, other], info, None)
+        if graph.phase == "decode":
+            pos, ids = tokens - 1, [0]
+        else:
+            pos, ids = (tokens - graph.rows) // pt * pt, [0] * graph.rows
+        model.kv.reserve(0, pos)
+        params = model.params_for(program, key, ids, pos)
+        self.whole_runs += 1
+        return Emulator(self.spec, self.profile).run(program, {}, params).counters.total_cycles
+
+    def cut_points(self, graph) -> list:
+        """The exact DP over cut points (measured clusters, summed)."""
         ops = graph.ops
         n = len(ops)
         consumers = graph.consumers()
@@ -111,6 +159,6 @@ class SegmentSearch:
             groups.append(list(range(i, j)))
             j = i
         groups.reverse()
-        log.info("edgellm %s %dx%dp: %d clusters, %d measurements so far", graph.phase,
+        log.info("edgellm %s %dx%dp DP: %d clusters, %d measurements so far", graph.phase,
                  graph.rows, graph.pages, len(groups), self.measurements)
         return groups

@@ -136,7 +136,7 @@ def test_edgellm_is_the_measured_minimum_over_valid_clusters():
                 total += m.cycles
             return total
 
-        best = mc.partition(g, "edgellm")
+        best = search.cut_points(g)
         assert sorted(i for grp in best for i in grp) == list(range(len(g.ops)))
         for grp in best:
             assert grp == list(range(grp[0], grp[-1] + 1))
@@ -146,6 +146,14 @@ def test_edgellm_is_the_measured_minimum_over_valid_clusters():
             assert cost(best) <= cost(mc.partition(g, other)), (phase, other)
         # a fused cluster is cheaper than its ops alone, so the DP fuses
         assert len(best) < len(mc.partition(g, "op-library"))
+        # the strategy keeps the DP's answer or the largest-fit one, whichever runs faster
+        # as a whole program, and never a slower one
+        chosen = mc.partition(g, "edgellm")
+        mega = mc.partition(g, "mega")
+        assert chosen in (best, mega)
+        if best != mega:
+            whole = {k: search.run_whole(g, grp) for k, grp in (("dp", best), ("mega", mega))}
+            assert chosen == (best if whole["dp"] <= whole["mega"] else mega)
 
 
 def test_cross_kernel_prefetch_overlaps_and_keeps_the_answer():
@@ -194,3 +202,14 @@ def test_kv_capacity_bounded_by_a_learned_position_table():
         ModelCompiler(str(_path("gpt2")), max_tokens=rows + 1, max_rows=16)
     # RoPE models look nothing up by position: the default capacity stands
     assert ModelCompiler(str(_path("llama")), max_rows=16).max_tokens == 1024
+
+
+def test_edgellm_keeps_the_faster_whole_program(monkeypatch):
+    # a DP answer that is slower as a whole than the largest-fit partition is not kept
+    mc = _compiler("llama", "regions")
+    g = mc.graph("decode", 1, 4)
+    search = mc.search()
+    slow, mega = mc.partition(g, "op-library"), mc.partition(g, "mega")
+    assert search.run_whole(g, slow) > search.run_whole(g, mega)
+    monkeypatch.setattr(search, "cut_points", lambda graph: slow)
+    assert search.partition(g) == mega
