@@ -176,11 +176,12 @@ class Linker:
     """Assembles relocated kernels into one program.
 
     With ``prefetch``, a kernel's first weight tiles (the const loads that wait on nothing
-    at the head of each DMA channel's queue) are issued at the end of the previous kernel, on their own DMA channel, so
-    they move while that kernel computes; the kernel's launch ``carry``-s them. For that
-    the two kernels' TCM footprints must not overlap: each kernel's TCM is placed at the
-    bottom of the TCM when it fits below the previous one's, else right above it; when
-    both do not fit side by side, the kernel is not prefetched."""
+    at the head of each DMA channel's queue, and the first weight load behind activation
+    loads: :func:`_unblock_first_weights`) are issued before its launch, at the end of the
+    previous kernel, so they move while that kernel computes; the launch ``carry``-s them.
+    For that the two kernels' TCM footprints must not overlap: each kernel's TCM is placed
+    at the bottom of the TCM when it fits below the previous one's, else right above it;
+    when both do not fit side by side, the kernel is not prefetched."""
 
     def __init__(self, graph: PhaseGraph, plan: DramPlan, spec, name: str, prefetch=True):
         self.graph, self.plan, self.spec = graph, plan, spec

@@ -86,8 +86,8 @@ def test_random_biases_and_norm_gains_in_fused_kernels(family, tmp_path):
     _check(family, "mega", path=path)
 
 
-@pytest.mark.parametrize("family,strategy", [("llama", "op-library"), ("llama", "local"),
-                                             ("gpt_neox", "op-library"), ("gpt2", "local")])
+@pytest.mark.parametrize("strategy", ["op-library", "local"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_op_library_and_local_partitions(family, strategy):
     _check(family, strategy)
 
