@@ -109,7 +109,8 @@ class SegmentSearch:
 
         program = self.link(graph, groups, f"edgellm_{graph.phase}_{graph.rows}x{graph.pages}p")
         pt = self.page_tokens
-        tokens = graph.pages * pt
+        # the bucket's capacity, within the cache the state tensors hold
+        tokens = min(graph.pages, self.kernels.layout.num_pages) * pt
         key = (graph.phase, graph.rows, graph.pages)
         other = ("decode", 1, 1) if graph.phase == "prefill" else ("prefill", graph.rows, 1)
         info = ModelInfo(graph.layers, graph.kv_heads, graph.head_dim, pt, tokens,
@@ -118,7 +119,7 @@ class SegmentSearch:
         if graph.phase == "decode":
             pos, ids = tokens - 1, [0]
         else:
-            pos, ids = (tokens - graph.rows) // pt * pt, [0] * graph.rows
+            pos, ids = max(0, (tokens - graph.rows) // pt * pt), [0] * graph.rows
         model.kv.reserve(0, pos)
         params = model.params_for(program, key, ids, pos)
         self.whole_runs += 1

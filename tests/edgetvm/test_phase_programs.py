@@ -213,3 +213,12 @@ def test_edgellm_keeps_the_faster_whole_program(monkeypatch):
     assert search.run_whole(g, slow) > search.run_whole(g, mega)
     monkeypatch.setattr(search, "cut_points", lambda graph: slow)
     assert search.partition(g) == mega
+
+
+def test_edgellm_whole_runs_stay_within_the_cache_of_a_partial_bucket():
+    # 40 tokens: 3 pages of cache, decode bucket of 4 pages; a whole run at the bucket's
+    # nominal capacity would address a page the state tensors do not have
+    mc = ModelCompiler(str(_path("llama")), max_tokens=40, max_rows=16)
+    for key in (("decode", 1, 4), ("prefill", 16, 4)):
+        g = mc.graph(*key)
+        assert mc.search().run_whole(g, mc.partition(g, "regions")) > 0
