@@ -117,6 +117,15 @@ def _set_constant(model, output_name, value):
     return old
 
 
+def _region_kinds_of_edited(model, path):
+    """Save the edited ``model`` at ``path``, check it runs as onnxruntime does, and return
+    the kinds of the regions the NPU took."""
+    onnx.save(model, path)
+    session = NPUSession(str(path), max_tokens=64)
+    _same_as_onnxruntime(session, str(path))
+    return {r.kind for r in session.regions}
+
+
 @pytest.mark.parametrize("op, operand, value", [("Pow", 1, 4.0), ("Div", 0, 2.0)])
 def test_an_rms_norm_shaped_function_with_other_constants_stays_on_the_host(
         tmp_path, op, operand, value):
@@ -131,11 +140,7 @@ def test_an_rms_norm_shaped_function_with_other_constants_stays_on_the_host(
             assert float(old) == {"Pow": 2.0, "Div": 1.0}[op]
             changed += 1
     assert changed == 5                                  # 2 per layer + the final norm
-    path = tmp_path / "not_rms_norm.onnx"
-    onnx.save(model, path)
-    session = NPUSession(str(path), max_tokens=64)
-    _same_as_onnxruntime(session, str(path))
-    kinds = {r.kind for r in session.regions}
+    kinds = _region_kinds_of_edited(model, tmp_path / "not_rms_norm.onnx")
     assert "rms_norm" not in kinds and {"attention", "mlp", "rope"} <= kinds
 
 
@@ -153,11 +158,7 @@ def test_a_rotation_by_other_than_half_the_head_stays_on_the_host(tmp_path):
             node.input[bounds[name]] = "four"
             changed += 1
     assert changed == 8                                  # q and k, 2 slices, 2 layers
-    path = tmp_path / "not_rope.onnx"
-    onnx.save(model, path)
-    session = NPUSession(str(path), max_tokens=64)
-    _same_as_onnxruntime(session, str(path))
-    kinds = {r.kind for r in session.regions}
+    kinds = _region_kinds_of_edited(model, tmp_path / "not_rope.onnx")
     assert "rope" not in kinds and {"attention", "kv_append", "mlp"} <= kinds
 
 
