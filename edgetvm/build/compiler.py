@@ -210,8 +210,10 @@ def resolve_max_tokens(asked, limit) -> int:
 
 
 def _mask_key(m):
-    """A mask var by name (the Python wrappers of one Relax var are not one object)."""
-    return getattr(m, "name", None) or id(m)
+    """A mask var by the object it wraps (the Python wrappers of one Relax var are not one
+    object, and two vars may share a name)."""
+    handle = getattr(m, "__chandle__", None)
+    return handle() if handle is not None else id(m)
 
 
 def _pow2(n: int) -> int:

@@ -17,8 +17,9 @@ the governor has to throttle is charged the cycles it loses.
 Measurements are cached by the kernel's structure and the layout of its operands, so the
 30 layers of a model cost one measurement per distinct candidate. Ops that are kernels of
 their own template (embedding, KV append, attention) are in every partition alike and
-are not measured. What the DP leaves out: the overlap the linker adds at kernel
-boundaries (cross-kernel prefetch), which is measured in the linked program, not here.
+are not measured. What the DP leaves out (the overlap the linker adds at kernel
+boundaries, power windows that span kernels) is measured at the end: the DP's partition
+and the largest-fit one are linked and run whole, and the faster is kept.
 """
 from __future__ import annotations
 
