@@ -42,9 +42,14 @@ def select_keys(keys: list, phases) -> list:
 
 def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regions",
          buckets=None, chunk=None, quantize=None, max_tokens=None, phases=None,
-         trials=None, time_budget=None, log_dir="tuning_logs", workers=1, seed=0,
-         batch=8, use_model=True, progress=True) -> dict:
-    """Tune ``onnx_path``; returns the report (see :meth:`Tuner.report`)."""
+         trials=None, time_budget=None, log_dir="tuning_logs", workers=1, rpc_tracker=None,
+         rpc_key=None, timeout=300.0, seed=0, batch=8, use_model=True,
+         progress=True) -> dict:
+    """Tune ``onnx_path``; returns the report (see :meth:`Tuner.report`).
+
+    Candidates are measured in this process, on ``workers`` local emulator processes, or
+    on the servers of the TVM RPC tracker ``rpc_tracker`` ("HOST:PORT") under
+    ``rpc_key`` (``workers``: how many of them at once; default every free one)."""
     from edgetvm.build.cli import DEFAULT_BUCKETS
     from edgetvm.build.compiler import ModelCompiler
 
@@ -63,13 +68,31 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     keys = select_keys(mc.phase_keys(rows, chunked=bool(chunk)), phases)
     ctx = log_context(onnx_path, mc.spec, mc.profile, quantize)
     tasks = extract_tasks(mc, keys)
-    with TuningLog(log_dir) as tlog:
-        tuner = Tuner(mc, tasks, tlog, ctx, seed=seed, batch=batch, workers=workers,
-                      use_model=use_model, progress=progress)
-        rep = tuner.run(trials=trials, time_budget=time_budget)
+    measurer = make_measurer(mc.spec, ctx.profile, workers, rpc_tracker, rpc_key, timeout)
+    try:
+        with TuningLog(log_dir) as tlog:
+            tuner = Tuner(mc, tasks, tlog, ctx, seed=seed, batch=batch, measurer=measurer,
+                          use_model=use_model, progress=progress)
+            rep = tuner.run(trials=trials, time_budget=time_budget)
+    finally:
+        measurer.close()
     rep["programs"] = [f"{p}_{r}x{g}p" for p, r, g in keys]
     rep["context"] = ctx.as_dict()
     return rep
+
+
+def make_measurer(spec, profile, workers=1, rpc_tracker=None, rpc_key=None, timeout=300.0):
+    from .measure import LocalMeasurer, PoolMeasurer, RunnerMeasurer
+    if rpc_tracker:
+        from edgetvm.rpc_protocol import DEFAULT_KEY
+        from edgetvm.runner import connect
+        runner = connect(f"tracker://{rpc_tracker}/{rpc_key or DEFAULT_KEY}", spec=spec,
+                         max_workers=workers if workers > 1 else None,
+                         call_timeout=timeout)
+        return RunnerMeasurer(runner, spec, profile)
+    if workers > 1:
+        return PoolMeasurer(spec, profile, workers, timeout)
+    return LocalMeasurer(spec, profile)
 
 
 def main(argv=None) -> int:
@@ -101,9 +124,14 @@ def main(argv=None) -> int:
     ap.add_argument("--log", default="tuning_logs", metavar="DIR",
                     help="tuning log directory (default tuning_logs/)")
     ap.add_argument("--workers", type=int, default=1, metavar="N",
-                    help="local emulator processes measuring in parallel")
-    ap.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT")
-    ap.add_argument("--rpc-key", default=None, metavar="KEY")
+                    help="local emulator processes measuring in parallel; with "
+                         "--rpc-tracker, servers used at once (default: every free one)")
+    ap.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
+                    help="measure on the emulator servers of this TVM RPC tracker")
+    ap.add_argument("--rpc-key", default=None, metavar="KEY",
+                    help="the servers' key at the tracker (default edgetvm-npu)")
+    ap.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                    help="seconds a candidate's measurement may take (default 300)")
     ap.add_argument("--batch", type=int, default=8, help="candidates per round (default 8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-model", action="store_true",
@@ -121,18 +149,20 @@ def main(argv=None) -> int:
         ap.error("--time-budget must be > 0")
     if args.workers < 1 or args.batch < 1:
         ap.error("--workers and --batch must be >= 1")
-    if args.rpc_tracker or args.rpc_key:
-        print("error: measuring on an RPC tracker (--rpc-tracker/--rpc-key) is not "
-              "implemented yet; use --workers N for local emulator processes",
-              file=sys.stderr)
-        return 2
+    if args.rpc_key and not args.rpc_tracker:
+        ap.error("--rpc-key goes with --rpc-tracker HOST:PORT")
+    if args.rpc_tracker and (":" not in args.rpc_tracker or
+                             not args.rpc_tracker.rsplit(":", 1)[1].isdigit()):
+        ap.error(f"--rpc-tracker: expected HOST:PORT, got {args.rpc_tracker!r}")
     phases = [p.strip() for p in args.phases.split(",") if p.strip()] if args.phases else None
     try:
         rep = tune(args.model, target=args.target, profile=args.profile,
                    strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
                    quantize=quantizer_of(args), max_tokens=args.max_tokens, phases=phases,
                    trials=args.trials, time_budget=args.time_budget, log_dir=args.log,
-                   workers=args.workers, seed=args.seed, batch=args.batch,
+                   workers=args.workers, rpc_tracker=args.rpc_tracker,
+                   rpc_key=args.rpc_key, timeout=args.timeout, seed=args.seed,
+                   batch=args.batch,
                    use_model=not args.no_model, progress=not args.quiet)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -60,6 +60,17 @@ class Task:
     shape: dict = field(default_factory=dict)     # what the cost features need
 
     @property
+    def label(self) -> str:
+        """The kernel and its shape, for people: ``mlp m=1 1536x576,1536x576,576x1536``."""
+        sh = self.shape
+        if self.kind == "cluster":
+            mm = ",".join(f"{n}x{k}" for n, k, _ in sh["matmuls"].values())
+            return f"{self.name} m={sh['rows']}" + (f" {mm}" if mm else "")
+        if self.kind == "embedding":
+            return f"embedding m={sh['rows']}"
+        return f"{self.kind} q={sh['rows']} kv={sh['capacity']}"
+
+    @property
     def workload(self) -> str:
         return workload_hash(self.key)
 
@@ -222,11 +233,13 @@ def measurement_params(program, graph, layout) -> dict:
     return {p: params[p] for p in program.params}
 
 
-def kernel_program(kernel, graph, spec):
-    """The kernel alone in a program, relocated onto its phase tensors."""
-    plan = plan_dram(graph, [kernel], spec.dram_burst_bytes)
+def kernel_program(kernel, graph, spec, copies: int = 1):
+    """The kernel alone in a program (``copies`` times, back to back), relocated onto its
+    phase tensors."""
+    plan = plan_dram(graph, [kernel] * copies, spec.dram_burst_bytes)
     linker = Linker(graph, plan, spec, f"candidate_{kernel.name}", prefetch=False)
-    linker.add(kernel)
+    for _ in range(copies):
+        linker.add(kernel)
     return linker.build()
 
 

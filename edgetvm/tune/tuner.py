@@ -19,7 +19,6 @@ Loop (MetaSchedule's shape: ``TaskScheduler`` -> ``SearchStrategy`` -> ``CostMod
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import random
 import sys
@@ -30,11 +29,11 @@ import numpy as np
 
 from edgetvm.build.graph import BuildError
 from edgetvm.errors import CandidateRejected, EdgeTVMError
-from edgetvm.target.emulator import Emulator
 
 from .cost_model import CostModel, features
 from .log import FAILED, OK, REJECTED, Record, canonical_knobs
-from .tasks import kernel_program, measurement_params, run_steady
+from .measure import Job, LocalMeasurer
+from .tasks import kernel_program, measurement_params
 
 log = logging.getLogger("edgetvm")
 
@@ -72,11 +71,12 @@ class TaskState:
 
 class Tuner:
     """Tunes the kernels of ``tasks`` (from :func:`~edgetvm.tune.tasks.extract_tasks`) of
-    compiler ``mc``, logging to ``tlog`` under ``context``."""
+    compiler ``mc``, logging to ``tlog`` under ``context``, measuring with ``measurer``
+    (:mod:`edgetvm.tune.measure`; default: in this process)."""
 
     def __init__(self, mc, tasks, tlog, context, *, seed: int = 0, batch: int = 8,
-                 workers: int = 1, timeout: float = 120.0, alpha: float = 0.2,
-                 window: int = 3, use_model: bool = True, progress: bool = True):
+                 measurer=None, alpha: float = 0.2, window: int = 3,
+                 use_model: bool = True, progress: bool = True):
         if not tasks:
             raise TuneError("nothing to tune: the selected phase programs have no kernel "
                             "with knobs")
@@ -85,11 +85,8 @@ class Tuner:
         self.rng = random.Random(seed)
         self.batch, self.alpha, self.window = int(batch), alpha, window
         self.model = CostModel(seed) if use_model else None
-        self.emulator = Emulator(mc.spec, context.profile)
-        self.timeout = timeout
-        self.workers = int(workers)
+        self.measurer = measurer or LocalMeasurer(mc.spec, context.profile)
         self.progress = progress
-        self._pool = None
         self.measured_now = 0                     # measurements made by this run
         self._resume()
 
@@ -121,25 +118,25 @@ class Tuner:
 
     # -- measuring -------------------------------------------------------------------------
     def _prepare(self, state, knobs):
-        """(program, params) of a candidate, or a rejected/failed Record."""
+        """A :class:`Job` for a candidate, or its rejected/failed Record."""
         t = state.task
         t0 = time.time()
         try:
             k = self.mc.kernels.kernel(t.graph, list(t.group), knobs=knobs)
             program = kernel_program(k, t.graph, self.mc.spec)
-            return (program, measurement_params(program, t.graph, self.mc.layout)), t0
+            return Job(program, measurement_params(program, t.graph, self.mc.layout), k,
+                       t.graph), t0
         except (CandidateRejected, BuildError) as e:
             return self._record(t, knobs, REJECTED, error=str(e)[:500], t0=t0), t0
         except Exception as e:                         # noqa: BLE001 - a failed trial
             return self._record(t, knobs, FAILED, error=f"lowering: {type(e).__name__}: "
                                 f"{str(e)[:400]}", t0=t0), t0
 
-    def _record(self, task, knobs, status, *, counters=None, error=None, t0=None) -> Record:
+    def _record(self, task, knobs, status, *, m=None, error=None, t0=None) -> Record:
         rec = Record(self.ctx, task.workload, task.kind, task.name, knobs, status,
-                     cycles=counters.total_cycles if counters else None, error=error,
-                     dram_bytes=(counters.dram_read_bytes + counters.dram_write_bytes)
-                     if counters else None,
-                     peak_power_mw=round(counters.peak_power_mw, 3) if counters else None,
+                     cycles=m.cycles if m else None, error=error,
+                     dram_bytes=m.dram_bytes if m else None,
+                     peak_power_mw=round(m.peak_power_mw, 3) if m else None,
                      wall_s=time.time() - (t0 or time.time()))
         self.log.append(rec)
         if status != REJECTED:
@@ -147,54 +144,23 @@ class Tuner:
         return rec
 
     def _measure_batch(self, state, batch: list) -> list:
-        """Records of ``batch`` (knob sets of one task), measured in parallel when
-        ``workers`` > 1; each record is in the log before this returns."""
+        """Records of ``batch`` (knob sets of one task); each is in the log before this
+        returns."""
         prepared = [(kn, *self._prepare(state, kn)) for kn in batch]
+        jobs = [p for _, p, _ in prepared if isinstance(p, Job)]
+        results = iter(self.measurer.measure(jobs) if jobs else [])
         out = []
-        if self.workers > 1 and sum(not isinstance(p, Record) for _, p, _ in prepared) > 1:
-            pool = self._executor()
-            futs = {}
-            for kn, p, t0 in prepared:
-                if not isinstance(p, Record):
-                    futs[id(kn)] = pool.submit(_worker_run, *p)
-            for kn, p, t0 in prepared:
-                if isinstance(p, Record):
-                    out.append(p)
-                    continue
-                try:
-                    c = futs[id(kn)].result(timeout=self.timeout)
-                    out.append(self._record(state.task, kn, OK, counters=c, t0=t0))
-                except cf.TimeoutError:
-                    out.append(self._record(state.task, kn, FAILED, t0=t0,
-                                            error=f"timeout after {self.timeout:.0f} s"))
-                except Exception as e:                 # noqa: BLE001
-                    out.append(self._record(state.task, kn, FAILED, t0=t0,
-                                            error=f"{type(e).__name__}: {str(e)[:400]}"))
-            return out
         for kn, p, t0 in prepared:
             if isinstance(p, Record):
                 out.append(p)
                 continue
-            try:
-                c = run_steady(self.emulator, *p)
-                out.append(self._record(state.task, kn, OK, counters=c, t0=t0))
-            except Exception as e:                     # noqa: BLE001 - a failed trial
+            m = next(results)
+            if isinstance(m, BaseException):
                 out.append(self._record(state.task, kn, FAILED, t0=t0,
-                                        error=f"{type(e).__name__}: {str(e)[:400]}"))
+                                        error=f"{type(m).__name__}: {str(m)[:400]}"))
+            else:
+                out.append(self._record(state.task, kn, OK, m=m, t0=t0))
         return out
-
-    def _executor(self):
-        if self._pool is None:
-            import multiprocessing as mp
-            self._pool = cf.ProcessPoolExecutor(
-                self.workers, mp_context=mp.get_context("spawn"),
-                initializer=_worker_init, initargs=(self.mc.spec.to_dict(), self.ctx.profile))
-        return self._pool
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
-            self._pool = None
 
     # -- the loop --------------------------------------------------------------------------
     def _baselines(self) -> None:
@@ -299,14 +265,13 @@ class Tuner:
                                     f"(default {self.default_step_cycles():,})")
         finally:
             bar.close()
-            self.close()
         return self.report(time.time() - t_start)
 
     def report(self, seconds: float) -> dict:
         rows = []
         for s in self.states:
             t = s.task
-            rows.append(dict(task=t.name, kind=t.kind, workload=t.workload[:12],
+            rows.append(dict(task=t.label, kind=t.kind, workload=t.workload[:12],
                              count=t.count, phases=sorted(t.phases),
                              default_cycles=s.default_cycles, best_cycles=s.best_cycles,
                              speedup=(s.default_cycles / s.best_cycles)
@@ -316,20 +281,6 @@ class Tuner:
         return dict(tasks=rows, measured=self.measured_now, seconds=seconds,
                     step_cycles_default=self.default_step_cycles(),
                     step_cycles_tuned=self.step_cycles(), log=self.log.path)
-
-
-# -- workers (process pool) ----------------------------------------------------------------
-_EMU = None
-
-
-def _worker_init(spec, profile) -> None:
-    global _EMU
-    from edgetvm.target.spec import spec_from_dict
-    _EMU = Emulator(spec_from_dict(spec), profile)
-
-
-def _worker_run(program, params):
-    return run_steady(_EMU, program, params)
 
 
 class _NoBar:
@@ -351,12 +302,12 @@ def _bar(total, on: bool):
 
 
 def format_report(rep: dict) -> str:
-    lines = [f"{'task':<28} {'kind':<18} {'runs':>4} {'default':>9} {'best':>9} "
+    lines = [f"{'task':<44} {'runs':>4} {'default_cyc':>11} {'best_cyc':>11} "
              f"{'x':>5} {'trials':>6} {'rej':>4} {'fail':>4}"]
     for r in sorted(rep["tasks"], key=lambda r: -(r["count"] * (r["default_cycles"] or 0))):
         sp = f"{r['speedup']:.2f}" if r["speedup"] else "-"
-        lines.append(f"{r['task'][:28]:<28} {r['kind']:<18} {r['count']:>4} "
-                     f"{r['default_cycles'] or 0:>9,} {r['best_cycles'] or 0:>9,} {sp:>5} "
+        lines.append(f"{r['task'][:44]:<44} {r['count']:>4} "
+                     f"{r['default_cycles'] or 0:>11,} {r['best_cycles'] or 0:>11,} {sp:>5} "
                      f"{r['trials']:>6} {r['rejected']:>4} {r['failed']:>4}")
     d, b = rep["step_cycles_default"], rep["step_cycles_tuned"]
     lines.append(f"sum over the selected programs (runs x cycles): {d:,} -> {b:,} cycles "
