@@ -94,24 +94,35 @@ class Task:
                 knobs[name] = int(v)
         return knobs
 
+    def flatten(self, knobs: dict) -> dict:
+        """The flat form (names of :attr:`space`) of a knob set."""
+        if self.kind != "cluster":
+            return {k: knobs.get(k) for k in self.space}
+        point = {}
+        for name in self.space:
+            if "." in name:
+                stage, k = name.split(".", 1)
+                point[name] = knobs.get("matmul", {}).get(stage, {}).get(k)
+            elif name.startswith("slots_") and name != "slots_out":
+                s = knobs.get("slots_in")
+                point[name] = s.get(name[len("slots_"):]) if isinstance(s, dict) else s
+            else:
+                point[name] = knobs.get(name)
+        return point
+
     def to_point(self, knobs: dict) -> dict | None:
         """The flat point of a knob set, or None when it is not in :attr:`space`."""
-        if self.kind != "cluster":
-            point = {k: knobs.get(k) for k in self.space}
-        else:
-            point = {}
-            for name in self.space:
-                if "." in name:
-                    stage, k = name.split(".", 1)
-                    point[name] = knobs.get("matmul", {}).get(stage, {}).get(k)
-                elif name.startswith("slots_") and name != "slots_out":
-                    s = knobs.get("slots_in")
-                    point[name] = s.get(name[len("slots_"):]) if isinstance(s, dict) else s
-                else:
-                    point[name] = knobs.get(name)
+        point = self.flatten(knobs)
         if any(point[k] not in vals for k, vals in self.space.items()):
             return None
         return point
+
+    def include(self, knobs: dict) -> None:
+        """Widen :attr:`space` to hold ``knobs`` (the defaults may pick a value the
+        template's candidate lists lack, e.g. a 512-row tile)."""
+        for k, v in self.flatten(knobs).items():
+            if v is not None and v not in self.space[k]:
+                self.space[k] = sorted(self.space[k] + [int(v)])
 
     def sample(self, rng: random.Random, n: int, seen: set) -> list:
         """Up to ``n`` distinct unseen points (canonical knob text not in ``seen``)."""
@@ -206,6 +217,7 @@ def extract_tasks(mc, keys, strategy: str | None = None) -> list:
                     raise BuildError(f"op {op.name}: no tuning template for {op.kind}")
                 t = tasks[k.key] = Task(k.key, kind, k.name, g, tuple(group), space=space,
                                         default_knobs=dict(k.knobs), shape=shape)
+                t.include(t.default_knobs)
             t.count += 1
             t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
     return list(tasks.values())

@@ -16,6 +16,18 @@ Loop (MetaSchedule's shape: ``TaskScheduler`` -> ``SearchStrategy`` -> ``CostMod
 4. each candidate is lowered (a TCM overflow is a *rejected* record, never measured),
    relocated and run on the emulator (an error is a *failed* record); the measured
    ones train the model. Nothing already in the log is tried again (resume).
+
+MetaSchedule's ``TaskScheduler`` and ``SearchStrategy`` are not subclassed: both work on
+``TuneContext`` objects whose space is an s_tir schedule trace and whose candidates are
+``MeasureCandidate`` (a schedule plus argument info). The attention and embedding
+templates have no trace to mutate, and a candidate here is a knob set that
+:class:`~edgetvm.build.kernels.KernelBuilder` lowers on the build's own path; the
+scheduler's rule (gradient with a backward window and an optimistic forward estimate) is
+MetaSchedule's, over these tasks.
+
+A candidate whose power the profile's budget cannot sustain is throttled by the
+emulator's governor while it is measured, so its cycles include what the budget costs;
+the best record per kernel is the one fastest *under* the profile.
 """
 from __future__ import annotations
 

@@ -106,6 +106,21 @@ def test_tasks_are_distinct_kernels_counted_over_the_programs(mc):
             canonical_knobs(t.to_knobs(t.to_point(t.to_knobs(p))))
 
 
+def test_the_space_holds_the_defaults_of_tall_row_tiles():
+    big = ModelCompiler(LLAMA, max_tokens=512, max_rows=512)
+    tasks = extract_tasks(big, [("prefill", 512, 32)])
+    mlp = [t for t in tasks if t.name.count("+") == 3][0]
+    assert mlp.default_knobs["tile_m"] > 128          # beyond the template's candidates
+    for t in tasks:
+        assert t.to_point(t.default_knobs) is not None, t.label
+    # a default the template's candidates lack (256 rows of 512) widens the space
+    odd = {**mlp.default_knobs, "tile_m": 256}
+    before = list(mlp.space["tile_m"])
+    assert 256 not in before and mlp.to_point(odd) is None
+    mlp.include(odd)
+    assert mlp.space["tile_m"] == sorted(before + [256]) and mlp.to_point(odd)["tile_m"] == 256
+
+
 def test_tuning_improves_logs_everything_and_resumes_without_remeasuring(tuned):
     d, rep = tuned
     assert rep["measured"] == 150
