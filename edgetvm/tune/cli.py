@@ -131,7 +131,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rpc-key", default=None, metavar="KEY",
                     help="the servers' key at the tracker (default edgetvm-npu)")
     ap.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                    help="seconds a candidate's measurement may take (default 300)")
+                    help="seconds a candidate's measurement may take (default 300; enforced with "
+                         "--workers N > 1 and --rpc-tracker, where it runs in another "
+                         "process)")
     ap.add_argument("--batch", type=int, default=8, help="candidates per round (default 8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-model", action="store_true",

@@ -12,7 +12,6 @@ failed trial, and the tuner goes on.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 from dataclasses import dataclass
 
 from edgetvm.target.emulator import Emulator
@@ -63,30 +62,44 @@ class LocalMeasurer:
 
 
 class PoolMeasurer:
-    """``workers`` local emulator processes (spawned; each holds its own Emulator)."""
+    """``workers`` local emulator processes (spawned; each holds its own Emulator). A job
+    past ``timeout`` seconds is a failed trial; its worker is stopped with the rest of the
+    pool after the batch (a hung emulator holds nothing up after that)."""
 
     def __init__(self, spec, profile, workers: int, timeout: float):
+        self.spec, self.profile = spec.to_dict(), profile
+        self.workers, self.timeout = int(workers), float(timeout)
+        self.pool = None
+
+    def _start(self):
         import multiprocessing as mp
-        self.timeout = timeout
-        self.pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
-                                           initializer=_worker_init,
-                                           initargs=(spec.to_dict(), profile))
+        if self.pool is None:
+            self.pool = mp.get_context("spawn").Pool(self.workers, initializer=_worker_init,
+                                                     initargs=(self.spec, self.profile))
+        return self.pool
 
     def measure(self, jobs: list) -> list:
-        futs = [self.pool.submit(_worker_run, j.program, j.params) for j in jobs]
-        out = []
-        for f in futs:
+        import multiprocessing as mp
+        pool = self._start()
+        pending = [pool.apply_async(_worker_run, (j.program, j.params)) for j in jobs]
+        out, hung = [], False
+        for r in pending:
             try:
-                out.append(f.result(timeout=self.timeout))
-            except cf.TimeoutError:
-                f.cancel()
-                out.append(TimeoutError(f"no result after {self.timeout:.0f} s"))
+                out.append(r.get(timeout=self.timeout))
+            except mp.TimeoutError:
+                hung = True
+                out.append(TimeoutError(f"no result after {self.timeout:g} s"))
             except Exception as e:                     # noqa: BLE001
                 out.append(e)
+        if hung:
+            self.close()                               # the next batch gets fresh workers
         return out
 
     def close(self) -> None:
-        self.pool.shutdown(cancel_futures=True)
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
 
 
 class RunnerMeasurer:

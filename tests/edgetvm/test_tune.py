@@ -287,3 +287,22 @@ def test_parallel_workers_measure_what_one_process_measures(tmp_path, mc):
         k = mc1.kernels.kernel(t.graph, list(t.group), knobs=r.knobs)
         assert measure_kernel(k, t.graph, mc1.spec, mc1.layout, emu).total_cycles == r.cycles
     assert REJECTED not in {r.status for r in recs}
+
+
+def test_a_measurement_past_the_timeout_is_a_failure_and_the_pool_recovers(mc):
+    from edgetvm.tune.measure import Job, PoolMeasurer
+    from edgetvm.tune.tasks import kernel_program, measurement_params
+    g, grp = _mlp(mc, ("decode", 1, 1))
+    k = mc.kernels.kernel(g, grp)
+    prog = kernel_program(k, g, mc.spec)
+    job = Job(prog, measurement_params(prog, g, mc.layout), k, g)
+    pm = PoolMeasurer(mc.spec, "performance", 1, timeout=0.01)   # a worker takes > 0.01 s
+    try:                                                          # just to start
+        (res,) = pm.measure([job])
+        assert isinstance(res, TimeoutError) and pm.pool is None
+        pm.timeout = 120
+        (res,) = pm.measure([job])
+        assert res.cycles == measure_kernel(k, g, mc.spec, mc.layout,
+                                            Emulator(mc.spec)).total_cycles
+    finally:
+        pm.close()
