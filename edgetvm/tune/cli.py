@@ -68,7 +68,8 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     keys = select_keys(mc.phase_keys(rows, chunked=bool(chunk)), phases)
     ctx = log_context(onnx_path, mc.spec, mc.profile, quantize)
     tasks = extract_tasks(mc, keys)
-    measurer = make_measurer(mc.spec, ctx.profile, workers, rpc_tracker, rpc_key, timeout)
+    measurer = make_measurer(mc, tasks, ctx.profile, workers, rpc_tracker, rpc_key,
+                             timeout)
     try:
         with TuningLog(log_dir) as tlog:
             tuner = Tuner(mc, tasks, tlog, ctx, seed=seed, batch=batch, measurer=measurer,
@@ -81,18 +82,20 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     return rep
 
 
-def make_measurer(spec, profile, workers=1, rpc_tracker=None, rpc_key=None, timeout=300.0):
-    from .measure import LocalMeasurer, PoolMeasurer, RunnerMeasurer
+def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
+                  timeout=300.0):
+    """The measurer the options ask for (:mod:`edgetvm.tune.measure`)."""
+    from .measure import ForkMeasurer, LocalMeasurer, RunnerMeasurer
     if rpc_tracker:
         from edgetvm.rpc_protocol import DEFAULT_KEY
         from edgetvm.runner import connect
-        runner = connect(f"tracker://{rpc_tracker}/{rpc_key or DEFAULT_KEY}", spec=spec,
+        runner = connect(f"tracker://{rpc_tracker}/{rpc_key or DEFAULT_KEY}", spec=mc.spec,
                          max_workers=workers if workers > 1 else None,
                          call_timeout=timeout)
-        return RunnerMeasurer(runner, spec, profile)
+        return RunnerMeasurer(mc, runner, profile)
     if workers > 1:
-        return PoolMeasurer(spec, profile, workers, timeout)
-    return LocalMeasurer(spec, profile)
+        return ForkMeasurer(mc, tasks, profile, workers, timeout)
+    return LocalMeasurer(mc, profile)
 
 
 def main(argv=None) -> int:

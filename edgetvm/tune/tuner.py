@@ -39,13 +39,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgetvm.build.graph import BuildError
 from edgetvm.errors import CandidateRejected, EdgeTVMError
 
 from .cost_model import CostModel, features
 from .log import FAILED, OK, REJECTED, Record, canonical_knobs
-from .measure import Job, LocalMeasurer
-from .tasks import kernel_program, measurement_params
+from .measure import LocalMeasurer
 
 log = logging.getLogger("edgetvm")
 
@@ -97,7 +95,7 @@ class Tuner:
         self.rng = random.Random(seed)
         self.batch, self.alpha, self.window = int(batch), alpha, window
         self.model = CostModel(seed) if use_model else None
-        self.measurer = measurer or LocalMeasurer(mc.spec, context.profile)
+        self.measurer = measurer or LocalMeasurer(mc, context.profile)
         self.progress = progress
         self.measured_now = 0                     # measurements made by this run
         self._resume()
@@ -129,27 +127,11 @@ class Tuner:
                                s.default_cycles)
 
     # -- measuring -------------------------------------------------------------------------
-    def _prepare(self, state, knobs):
-        """A :class:`Job` for a candidate, or its rejected/failed Record."""
-        t = state.task
-        t0 = time.time()
-        try:
-            k = self.mc.kernels.kernel(t.graph, list(t.group), knobs=knobs)
-            program = kernel_program(k, t.graph, self.mc.spec)
-            return Job(program, measurement_params(program, t.graph, self.mc.layout), k,
-                       t.graph), t0
-        except (CandidateRejected, BuildError) as e:
-            return self._record(t, knobs, REJECTED, error=str(e)[:500], t0=t0), t0
-        except Exception as e:                         # noqa: BLE001 - a failed trial
-            return self._record(t, knobs, FAILED, error=f"lowering: {type(e).__name__}: "
-                                f"{str(e)[:400]}", t0=t0), t0
-
-    def _record(self, task, knobs, status, *, m=None, error=None, t0=None) -> Record:
+    def _record(self, task, knobs, status, *, m=None, error=None, wall_s=0.0) -> Record:
         rec = Record(self.ctx, task.workload, task.kind, task.name, knobs, status,
                      cycles=m.cycles if m else None, error=error,
                      dram_bytes=m.dram_bytes if m else None,
-                     peak_power_mw=round(m.peak_power_mw, 3) if m else None,
-                     wall_s=time.time() - (t0 or time.time()))
+                     peak_power_mw=round(m.peak_power_mw, 3) if m else None, wall_s=wall_s)
         self.log.append(rec)
         if status != REJECTED:
             self.measured_now += 1
@@ -158,20 +140,16 @@ class Tuner:
     def _measure_batch(self, state, batch: list) -> list:
         """Records of ``batch`` (knob sets of one task); each is in the log before this
         returns."""
-        prepared = [(kn, *self._prepare(state, kn)) for kn in batch]
-        jobs = [p for _, p, _ in prepared if isinstance(p, Job)]
-        results = iter(self.measurer.measure(jobs) if jobs else [])
         out = []
-        for kn, p, t0 in prepared:
-            if isinstance(p, Record):
-                out.append(p)
-                continue
-            m = next(results)
-            if isinstance(m, BaseException):
-                out.append(self._record(state.task, kn, FAILED, t0=t0,
-                                        error=f"{type(m).__name__}: {str(m)[:400]}"))
+        for kn, (res, wall) in zip(batch, self.measurer.measure(state.task, batch)):
+            if isinstance(res, CandidateRejected):
+                out.append(self._record(state.task, kn, REJECTED, error=str(res)[:500],
+                                        wall_s=wall))
+            elif isinstance(res, BaseException):
+                out.append(self._record(state.task, kn, FAILED, wall_s=wall,
+                                        error=f"{type(res).__name__}: {str(res)[:400]}"))
             else:
-                out.append(self._record(state.task, kn, OK, m=m, t0=t0))
+                out.append(self._record(state.task, kn, OK, m=res, wall_s=wall))
         return out
 
     # -- the loop --------------------------------------------------------------------------

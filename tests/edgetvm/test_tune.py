@@ -290,19 +290,18 @@ def test_parallel_workers_measure_what_one_process_measures(tmp_path, mc):
 
 
 def test_a_measurement_past_the_timeout_is_a_failure_and_the_pool_recovers(mc):
-    from edgetvm.tune.measure import Job, PoolMeasurer
-    from edgetvm.tune.tasks import kernel_program, measurement_params
-    g, grp = _mlp(mc, ("decode", 1, 1))
-    k = mc.kernels.kernel(g, grp)
-    prog = kernel_program(k, g, mc.spec)
-    job = Job(prog, measurement_params(prog, g, mc.layout), k, g)
-    pm = PoolMeasurer(mc.spec, "performance", 1, timeout=0.01)   # a worker takes > 0.01 s
-    try:                                                          # just to start
-        (res,) = pm.measure([job])
-        assert isinstance(res, TimeoutError) and pm.pool is None
-        pm.timeout = 120
-        (res,) = pm.measure([job])
-        assert res.cycles == measure_kernel(k, g, mc.spec, mc.layout,
+    from edgetvm.tune.measure import ForkMeasurer
+    tasks = extract_tasks(mc, [("decode", 1, 1)])
+    t = [t for t in tasks if t.name.count("+") == 3][0]
+    fm = ForkMeasurer(mc, tasks, "performance", 1, timeout=1e-4)   # nothing is that fast
+    try:
+        ((res, _),) = fm.measure(t, [t.default_knobs])
+        assert isinstance(res, TimeoutError) and fm.pool is None
+        fm.timeout = 120
+        (res, _), (rej, _) = fm.measure(t, [t.default_knobs, {"tile_m": 1, "bogus": 3}])
+        k = mc.kernels.kernel(t.graph, list(t.group))
+        assert res.cycles == measure_kernel(k, t.graph, mc.spec, mc.layout,
                                             Emulator(mc.spec)).total_cycles
+        assert isinstance(rej, CandidateRejected) and "bogus" in str(rej)
     finally:
-        pm.close()
+        fm.close()
