@@ -218,6 +218,9 @@ def extract_tasks(mc, keys, strategy: str | None = None) -> list:
                 t = tasks[k.key] = Task(k.key, kind, k.name, g, tuple(group), space=space,
                                         default_knobs=dict(k.knobs), shape=shape)
                 t.include(t.default_knobs)
+                # the defaults in the space's own form, so that the search never measures
+                # them again under another spelling (slots_in 2 vs {"t0": 2})
+                t.default_knobs = t.to_knobs(t.to_point(t.default_knobs))
             t.count += 1
             t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
     return list(tasks.values())

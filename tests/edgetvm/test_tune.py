@@ -100,10 +100,13 @@ def test_tasks_are_distinct_kernels_counted_over_the_programs(mc):
     mlp = [t for t in tasks if t.name.count("+") == 3]
     assert len(mlp) == 1 and mlp[0].count == 2 * 3 and \
         {"decode_1x1p", "decode_1x4p"} <= mlp[0].phases
-    for t in tasks:                       # the default knobs are a point of the space
-        p = t.to_point(t.default_knobs)
+    for t in tasks:                       # the default knobs are a point of the space,
+        p = t.to_point(t.default_knobs)   # in the spelling the search proposes
         assert p is not None and canonical_knobs(t.to_knobs(p)) == \
-            canonical_knobs(t.to_knobs(t.to_point(t.to_knobs(p))))
+            canonical_knobs(t.default_knobs)
+        k = mc.kernels.kernel(t.graph, list(t.group))
+        assert mc.kernels.kernel(t.graph, list(t.group), knobs=t.default_knobs
+                                 ).program.commands == k.program.commands
 
 
 def test_the_space_holds_the_defaults_of_tall_row_tiles():
