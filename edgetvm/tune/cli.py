@@ -44,12 +44,14 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
          buckets=None, chunk=None, quantize=None, max_tokens=None, phases=None,
          trials=None, time_budget=None, log_dir="tuning_logs", workers=1, rpc_tracker=None,
          rpc_key=None, timeout=300.0, seed=0, batch=8, use_model=True,
-         progress=True) -> dict:
+         validate=True, progress=True) -> dict:
     """Tune ``onnx_path``; returns the report (see :meth:`Tuner.report`).
 
     Candidates are measured in this process, on ``workers`` local emulator processes, or
     on the servers of the TVM RPC tracker ``rpc_tracker`` ("HOST:PORT") under
-    ``rpc_key`` (``workers``: how many of them at once; default every free one)."""
+    ``rpc_key`` (``workers``: how many of them at once; default every free one).
+    ``validate``: link every selected phase program with the default and with the
+    replayed knobs and measure both (``rep["phases"]``)."""
     from edgetvm.build.cli import DEFAULT_BUCKETS
     from edgetvm.build.compiler import ModelCompiler
 
@@ -79,7 +81,28 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
         measurer.close()
     rep["programs"] = [f"{p}_{r}x{g}p" for p, r, g in keys]
     rep["context"] = ctx.as_dict()
+    if validate:
+        from .log import Replay
+        tuned = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
+                              strategy=strategy, max_rows=max(asked), profile=profile,
+                              knobs_for=Replay(log_dir, ctx))
+        rep["phases"] = [dict(program=f"{p}_{r}x{g}p",
+                              default_cycles=program_cycles(mc, (p, r, g)),
+                              tuned_cycles=program_cycles(tuned, (p, r, g)))
+                         for p, r, g in keys]
     return rep
+
+
+def program_cycles(mc, key) -> int:
+    """Measured cycles of the whole linked phase program ``key`` of compiler ``mc`` (its
+    kernels with cross-kernel prefetch, at the bucket's full KV capacity)."""
+    from edgetvm.target.emulator import Emulator
+
+    from .tasks import measurement_params
+    program, graph = mc.program(*key), mc.graph(*key)
+    emu = Emulator(mc.spec, mc.profile)
+    return emu.run(program, {}, measurement_params(program, graph, mc.layout)
+                   ).counters.total_cycles
 
 
 def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
@@ -141,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-model", action="store_true",
                     help="random search, no cost model (the baseline)")
+    ap.add_argument("--no-validate", action="store_true",
+                    help="skip measuring the whole phase programs, default vs tuned")
     ap.add_argument("--report-json", default=None, metavar="F")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -168,7 +193,8 @@ def main(argv=None) -> int:
                    workers=args.workers, rpc_tracker=args.rpc_tracker,
                    rpc_key=args.rpc_key, timeout=args.timeout, seed=args.seed,
                    batch=args.batch,
-                   use_model=not args.no_model, progress=not args.quiet)
+                   use_model=not args.no_model, validate=not args.no_validate,
+                   progress=not args.quiet)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -303,4 +303,11 @@ def format_report(rep: dict) -> str:
     lines.append(f"sum over the selected programs (runs x cycles): {d:,} -> {b:,} cycles "
                  f"({d / b:.3f}x)" if b else "nothing measured")
     lines.append(f"{rep['measured']} measurements in {rep['seconds']:.1f} s; log {rep['log']}")
+    if rep.get("phases"):
+        lines.append(f"{'whole program (linked, prefetch)':<36} {'default_cyc':>11} "
+                     f"{'tuned_cyc':>11} {'x':>6}")
+        for r in rep["phases"]:
+            lines.append(f"{r['program']:<36} {r['default_cycles']:>11,} "
+                         f"{r['tuned_cycles']:>11,} "
+                         f"{r['default_cycles'] / r['tuned_cycles']:>6.3f}")
     return "\n".join(lines)

@@ -267,6 +267,15 @@ def test_tune_cli(tmp_path, capsys):
     assert "20 measurements" in out and "decode_attention" in out
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["programs"] == ["decode_1x1p"] and rep["measured"] == 20
+    # the whole linked program, default vs replayed knobs, measured as the runtime runs it
+    from edgetvm.tune.cli import program_cycles
+    (ph,) = rep["phases"]
+    assert ph["program"] == "decode_1x1p" and "whole program" in out
+    plain = ModelCompiler(LLAMA, max_tokens=16, max_rows=8)
+    assert ph["default_cycles"] == program_cycles(plain, ("decode", 1, 1))
+    replayed = ModelCompiler(LLAMA, max_tokens=16, max_rows=8, knobs_for=Replay(
+        d, log_context(LLAMA, plain.spec, None, None)))
+    assert ph["tuned_cycles"] == program_cycles(replayed, ("decode", 1, 1))
     assert tune_main([LLAMA, "--trials", "5", "--phases", "nope", "--buckets", "8",
                       "--max-tokens", "16", "--log", d, "-q"]) == 1
     assert "no program 'nope'" in capsys.readouterr().err
