@@ -1,5 +1,6 @@
 """``python -m edgetvm.build model.onnx -o model.npu``: compile an LLM into a deployable
-artifact (whole-phase programs, one weight pack, a manifest), without search."""
+artifact (whole-phase programs, one weight pack, a manifest), without search; ``--log DIR``
+replays the best knobs of a tuning log (``python -m edgetvm.tune``)."""
 from __future__ import annotations
 
 import argparse
@@ -60,10 +61,13 @@ def compiler_fingerprint() -> str:
 
 def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
           strategy="regions", buckets=DEFAULT_BUCKETS, chunk=None, quantize=None,
-          max_tokens: int | None = None, progress: bool = True) -> dict:
+          max_tokens: int | None = None, progress: bool = True, log_dir: str | None = None
+          ) -> dict:
     """Compile ``onnx_path`` into ``output`` (model.npu); returns the manifest.
     ``max_tokens``: the KV capacity (default 1024, or fewer if the model addresses fewer
-    positions)."""
+    positions); ``log_dir``: a tuning log whose best knobs per kernel replace the defaults
+    (refused if its records are of another model, spec, profile, quantization or
+    version)."""
     from edgetvm.build.compiler import ModelCompiler
     from edgetvm.build.package import write_artifact
 
@@ -73,6 +77,12 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
     asked = (chunk,) if chunk else tuple(sorted(set(buckets)))
     mc = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
                        strategy=strategy, max_rows=max(asked), profile=profile)
+    replay = None
+    if log_dir is not None:
+        from edgetvm.tune.cli import log_context
+        from edgetvm.tune.log import Replay
+        replay = Replay(log_dir, log_context(onnx_path, mc.spec, mc.profile, quantize))
+        mc.knobs_for = replay                 # before the first graph builds the kernels
     rows = tuple(b for b in asked if b <= mc.max_tokens)
     if not rows:
         raise EdgeTVMError(f"no prefill bucket fits a KV cache of {mc.max_tokens} tokens")
@@ -100,6 +110,8 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
         "kernels_lowered": mc.kernels.lowered,
         "quantization_report": mc.quant_report.summary() if mc.quant_report else None,
     }
+    if replay is not None:
+        manifest["tuning"] = replay.summary()
     full = write_artifact(output, programs, manifest)
     full["build_seconds"] = time.time() - t0
     return full
@@ -202,6 +214,8 @@ def main(argv=None) -> int:
     group.add_argument("--chunk", type=int, default=None, metavar="C",
                        help="chunked prefill: one C-row prefill program per KV capacity")
     add_build_options(ap)
+    ap.add_argument("--log", default=None, metavar="DIR",
+                    help="replay the best knobs of this tuning log (python -m edgetvm.tune)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -212,7 +226,7 @@ def main(argv=None) -> int:
         m = build(args.model, args.output, target=args.target, profile=args.profile,
                   strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
                   quantize=quantizer_of(args), max_tokens=args.max_tokens,
-                  progress=not args.quiet)
+                  progress=not args.quiet, log_dir=args.log)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -224,6 +238,8 @@ def main(argv=None) -> int:
     print(f"wrote {args.output}: {len(m['programs'])} programs, "
           f"{m['weights']['bytes'] / 1e6:.1f} MB of weights, {size / 1e6:.1f} MB, "
           f"{m['kernels_lowered']} kernels lowered, {m['build_seconds']:.1f} s")
+    if m.get("tuning"):
+        print(f"replayed {args.log}: tuned knobs for {m['tuning']['kernels_tuned']} kernels")
     print(f"DRAM: {m['weights']['bytes'] / 1e6:.1f} MB weights + {arena / 1e6:.2f} MB "
           f"activation arena (high-water, slots reused by lifetime) + {kv / 1e6:.2f} MB KV "
           f"cache ({md['max_tokens']} tokens)")

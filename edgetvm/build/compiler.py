@@ -39,7 +39,9 @@ class ModelCompiler:
 
     def __init__(self, onnx_path, spec="edge-npu-16mb", *, quantize=None, max_tokens=None,
                  strategy: str = "regions", max_rows: int = 512, shape_overrides=None,
-                 profile: str | None = None):
+                 profile: str | None = None, knobs_for=None):
+        """``knobs_for(kernel key) -> knobs or None``: the knobs each kernel is lowered
+        with instead of the defaults (a tuning log's replay, :mod:`edgetvm.tune.log`)."""
         if strategy not in STRATEGIES:
             raise BuildError(f"unknown fusion strategy {strategy!r}; known: "
                              f"{', '.join(STRATEGIES)}")
@@ -47,6 +49,7 @@ class ModelCompiler:
         self.strategy = strategy
         self.profile = self.spec.profile(profile).name      # an unknown profile fails here
         self._searches: dict = {}
+        self.knobs_for = knobs_for
         self.prefetch = True             # cross-kernel weight prefetch (link.py)
         self.max_rows = int(max_rows)
         t0 = time.time()
@@ -102,7 +105,7 @@ class ModelCompiler:
             t.shape = t.data.shape
         if self.layout is None:
             self.layout = KVCacheLayout(g.kv_heads, g.head_dim, self.num_pages, PAGE_TOKENS)
-            self.kernels = KernelBuilder(self.spec, self.layout)
+            self.kernels = KernelBuilder(self.spec, self.layout, knobs_for=self.knobs_for)
         self._graphs[key] = g
         return g
 

@@ -106,60 +106,96 @@ def stage_cluster(graph: PhaseGraph, group, consumers=None) -> tuple:
 
 
 class KernelBuilder:
-    """Lowers groups of a phase's ops with default (untuned) knobs, cached by structure."""
+    """Lowers groups of a phase's ops, cached by structure.
 
-    def __init__(self, spec, layout: KVCacheLayout):
+    Every kernel has a structural key (:attr:`Kernel.key`: its cluster's tensors, stages
+    and outputs, or its template's shape). Its knobs are, in order: ``knobs`` given to
+    :meth:`kernel` (the tuner's candidate), ``knobs_for(key)`` (replay of a tuning log;
+    ``None`` for a kernel the log does not cover) or the template's defaults. Explicit or
+    replayed knobs are lowered exactly as given: a set that does not fit the TCM raises
+    :class:`CandidateRejected` (explicit) or :class:`BuildError` (replayed), never falls
+    back silently to other knobs.
+    """
+
+    def __init__(self, spec, layout: KVCacheLayout, knobs_for=None):
         self.spec = spec
         self.layout = layout
+        self.knobs_for = knobs_for
         self._cache: dict = {}
         self.lowered = 0
 
-    def kernel(self, graph: PhaseGraph, group, consumers=None) -> Kernel:
+    def kernel(self, graph: PhaseGraph, group, consumers=None, knobs: dict | None = None
+               ) -> Kernel:
         ops = [graph.ops[i] for i in group]
         if ops[0].kind == "stage":
-            return self._stage_kernel(graph, tuple(group), consumers)
+            return self._stage_kernel(graph, tuple(group), consumers, knobs)
         if len(ops) != 1:
             raise BuildError(f"a {ops[0].kind} op is a kernel of its own")
         op = ops[0]
-        return getattr(self, f"_{op.kind}")(graph, group[0], op)
+        return getattr(self, f"_{op.kind}")(graph, group[0], op, knobs)
 
-    def _cached(self, key, build):
-        hit = self._cache.get(key)
+    def _knobs(self, key: str, knobs):
+        """(knobs to lower with or None for the defaults, whether they were replayed)."""
+        if knobs is not None:
+            return knobs, False
+        if self.knobs_for is not None:
+            replayed = self.knobs_for(key)
+            if replayed is not None:
+                return replayed, True
+        return None, False
+
+    def _cached(self, key, knobs, replayed, build):
+        """``build(knobs)`` once per (key, knobs); refusals are cached too."""
+        if knobs is not None and not replayed:
+            # a tuner's candidate: lowered once, not kept (thousands would pile up)
+            try:
+                return build(knobs)
+            except BuildError as e:
+                raise CandidateRejected(str(e)) from None
+        ck = (key, None if knobs is None else _canonical(knobs))
+        hit = self._cache.get(ck)
         if hit is None:
             try:
-                hit = build()
-            except BuildError as e:
+                hit = build(knobs)
+            except (BuildError, CandidateRejected) as e:
                 hit = e                      # a candidate that does not fit stays refused
-            self._cache[key] = hit
-            self.lowered += not isinstance(hit, BuildError)
-        if isinstance(hit, BuildError):
+            self._cache[ck] = hit
+            self.lowered += not isinstance(hit, Exception)
+        if isinstance(hit, CandidateRejected) and replayed:
+            raise BuildError(f"the logged knobs {_canonical(knobs)} of kernel {key[:80]}... "
+                             f"do not lower on {self.spec.name}: {hit}")
+        if isinstance(hit, Exception):
             raise hit
         return hit
 
     # -- row-local clusters ---------------------------------------------------------------
-    def _stage_kernel(self, graph, group, consumers) -> Kernel:
+    def _stage_kernel(self, graph, group, consumers, knobs) -> Kernel:
         cluster, bind = stage_cluster(graph, group, consumers)
         key = repr(("cluster", cluster.tensors, cluster.stages, cluster.outputs,
                     cluster.consts))
-        program, knobs = self._cached(key, lambda: self._lower_cluster(cluster))
-        return Kernel(cluster.name, group, program, bind, knobs=knobs, key=key)
+        knobs, replayed = self._knobs(key, knobs)
+        program, used = self._cached(key, knobs, replayed,
+                                     lambda kn: self._lower_cluster(cluster, kn))
+        return Kernel(cluster.name, group, program, bind, knobs=used, key=key)
 
-    def _lower_cluster(self, cluster: FusionCluster):
+    def _lower_cluster(self, cluster: FusionCluster, knobs: dict | None = None):
+        """The cluster lowered with ``knobs`` (the :func:`schedule_cluster` keyword
+        arguments), or with the first default set that fits."""
         zeros = {n: np.zeros(cluster.tensors[n][0], cluster.tensors[n][1])
                  for n in cluster.consts}
         func = cluster.prim_func()
+        if knobs is not None:
+            sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
+            try:
+                schedule_cluster(sch, **knobs)
+            except (TypeError, ValueError, RuntimeError, IndexError) as e:
+                raise CandidateRejected(f"fusion cluster {cluster.name!r}: knobs {knobs} do "
+                                        f"not apply: {_gist(e)}") from None
+            return lower_cluster(cluster, sch, self.spec, zeros), dict(knobs)
         names = knob_names(func)
-        rows = int(next(iter(cluster.tensors.values()))[0][0]) if cluster.tensors else 1
-        matmuls = {}
-        for st in cluster.stages:
-            if st.op.startswith("linear"):
-                n, k = cluster.tensors[st.inputs[1]][0][0], _shape_of(cluster, st.inputs[0])[1]
-                group = 0
-                if st.op == "linear_w4a16":
-                    group = k // cluster.tensors[st.inputs[2]][0][1]
-                matmuls[st.output] = (n, k, group)
+        rows = cluster_rows(cluster)
         err = None
-        for knobs in default_knobs(rows, matmuls):
+        for knobs in default_knobs(rows, cluster_matmuls(cluster)):
             if "tile_n" in names:        # 2-D elementwise clusters also tile their columns
                 knobs["tile_n"] = int(_shape_of(cluster, cluster.stages[-1].output)[1])
             sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
@@ -172,70 +208,120 @@ class KernelBuilder:
                          f"{self.spec.name}: {err}")
 
     # -- kernels of their own template ----------------------------------------------------
-    def _embedding(self, graph, index, op) -> Kernel:
+    def _embedding(self, graph, index, op, knobs=None) -> Kernel:
         rows = op.outputs["out"].shape[0]
         vocab, hidden = op.attrs["vocab"], op.attrs["hidden"]
+        key = repr(("embedding", rows, vocab, hidden))
+        knobs, replayed = self._knobs(key, knobs)
 
-        def build():
+        def build(kn):
+            kn = dict(tile_m=min(rows, 16), slots_out=2, dma_split=1) if kn is None \
+                else dict(kn)
             sch = s_tir.Schedule(tvm.IRModule({"main": embedding_workload(rows, vocab, hidden)}))
-            knobs = dict(tile_m=min(rows, 16), slots_out=2, dma_split=1)
-            schedule_embedding(sch, **knobs)
+            _apply(schedule_embedding, sch, "embedding", kn)
             placeholder = {"E": np.zeros((vocab, hidden), np.float16)}
             return lower_primfunc(sch.mod["main"], self.spec, "embedding", consts=placeholder,
-                                  runtime=["ids"]), knobs
-        program, knobs = self._cached(("embedding", rows, vocab, hidden), build)
+                                  runtime=["ids"]), kn
+        program, used = self._cached(key, knobs, replayed, build)
         return Kernel(op.name, (index,), program, {"E": op.inputs["E"], "out": op.outputs["out"]},
-                      knobs=knobs, key=repr(("embedding", rows, vocab, hidden)))
+                      knobs=used, key=key)
 
-    def _kv_append(self, graph, index, op) -> Kernel:
+    def _kv_append(self, graph, index, op, knobs=None) -> Kernel:
         """A prefill of whole pages writes them whole (one DMA per page and head; such a
         program runs only at a page boundary); otherwise one DMA per token and head, at
-        any position."""
+        any position. No knobs."""
+        if knobs:
+            raise CandidateRejected("a KV append has no knobs")
         rows = op.inputs["k_new"].shape[0]
         pt = self.layout.page_tokens
         if graph.phase == "prefill" and rows % pt == 0:
             key = ("kv_append_pages", rows // pt)
 
-            def build():
+            def build(_):
                 sch = schedule_kv_append_pages(self.layout, rows // pt, self.spec)
                 return lower_primfunc(sch.mod["main"], self.spec, f"kv_append_pages_{rows}",
                                       **KV_APPEND_PAGES_LOWERING), {}
         else:
             key = ("kv_append", rows)
 
-            def build():
+            def build(_):
                 sch = schedule_kv_append(self.layout, rows, self.spec)
                 return lower_primfunc(sch.mod["main"], self.spec, f"kv_append_{rows}",
                                       **KV_APPEND_LOWERING), {}
-        program, knobs = self._cached(key, build)
+        program, _ = self._cached(repr(key), None, False, build)
         return Kernel(op.name, (index,), program, dict(op.inputs),
                       state=_layer_state(op.layer), key=repr(key))
 
-    def _attention(self, graph, index, op) -> Kernel:
+    def _attention(self, graph, index, op, knobs=None) -> Kernel:
         hq, scale = op.attrs["q_heads"], op.attrs["scale"]
         pages = graph.pages
-        tile = min(64, pages * self.layout.page_tokens)
         if graph.phase == "decode":
-            knobs = dict(tile_kv=tile, slots_kv=2, slots_s=1)
-            key = ("decode_attention", hq, pages, scale)
-
-            def build():
-                return lower_primfunc(schedule_decode_attention(
-                    self.layout, hq, pages, self.spec, scale=scale, **knobs).mod["main"],
-                    self.spec, "decode_attention", outputs=["out"], **ATTENTION_LOWERING)
+            key = repr(("decode_attention", hq, pages, scale))
         else:
-            rows = graph.rows
-            knobs = dict(tile_q=min(64, rows), tile_kv=tile, slots_kv=2, slots_s=1)
-            key = ("prefill_attention", hq, rows, pages, scale)
+            key = repr(("prefill_attention", hq, graph.rows, pages, scale))
+        knobs, replayed = self._knobs(key, knobs)
 
-            def build():
-                return lower_primfunc(schedule_prefill_attention(
-                    self.layout, hq, rows, self.spec, chunked=True, max_pages=pages,
-                    scale=scale, **knobs).mod["main"], self.spec, "prefill_attention",
-                    outputs=["out"], **ATTENTION_LOWERING)
-        program, _ = self._cached(key, lambda: (build(), knobs))
+        def build(kn):
+            kn = attention_default_knobs(graph.phase, graph.rows, pages, self.layout) \
+                if kn is None else dict(kn)
+            if graph.phase == "decode":
+                sch = _apply(schedule_decode_attention, None, "decode attention", kn,
+                             self.layout, hq, pages, self.spec, scale=scale)
+            else:
+                sch = _apply(schedule_prefill_attention, None, "prefill attention", kn,
+                             self.layout, hq, graph.rows, self.spec, chunked=True,
+                             max_pages=pages, scale=scale)
+            return lower_primfunc(sch.mod["main"], self.spec, f"{graph.phase}_attention",
+                                  outputs=["out"], **ATTENTION_LOWERING), kn
+        program, used = self._cached(key, knobs, replayed, build)
         return Kernel(op.name, (index,), program, {"q": op.inputs["q"], "out": op.outputs["out"]},
-                      state=_layer_state(op.layer), knobs=knobs, key=repr(key))
+                      state=_layer_state(op.layer), knobs=used, key=key)
+
+
+def attention_default_knobs(phase: str, rows: int, pages: int, layout: KVCacheLayout) -> dict:
+    """The default (untuned) knobs of a decode or prefill attention kernel."""
+    tile = min(64, pages * layout.page_tokens)
+    if phase == "decode":
+        return dict(tile_kv=tile, slots_kv=2, slots_s=1)
+    return dict(tile_q=min(64, rows), tile_kv=tile, slots_kv=2, slots_s=1)
+
+
+def cluster_rows(cluster: FusionCluster) -> int:
+    return int(next(iter(cluster.tensors.values()))[0][0]) if cluster.tensors else 1
+
+
+def cluster_matmuls(cluster: FusionCluster) -> dict:
+    """stage output -> (n, k, W4 group or 0) of every matmul stage of ``cluster``."""
+    matmuls = {}
+    for st in cluster.stages:
+        if st.op.startswith("linear"):
+            n, k = cluster.tensors[st.inputs[1]][0][0], _shape_of(cluster, st.inputs[0])[1]
+            group = 0
+            if st.op == "linear_w4a16":
+                group = k // cluster.tensors[st.inputs[2]][0][1]
+            matmuls[st.output] = (n, k, group)
+    return matmuls
+
+
+def _apply(schedule_fn, sch, what: str, knobs: dict, *args, **kwargs):
+    """``schedule_fn`` with ``knobs``; a knob set the template refuses (an unknown knob, a
+    tile that does not divide) is a rejected candidate, not a crash."""
+    try:
+        if sch is not None:
+            return schedule_fn(sch, *args, **knobs, **kwargs)
+        return schedule_fn(*args, **knobs, **kwargs)
+    except (TypeError, ValueError, RuntimeError, IndexError) as e:
+        raise CandidateRejected(f"{what}: knobs {knobs} do not apply: {_gist(e)}") from None
+
+
+def _gist(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def _canonical(knobs: dict) -> str:
+    import json
+    return json.dumps(knobs, sort_keys=True, separators=(",", ":"))
 
 
 def _layer_state(layer: int) -> dict:

@@ -1,0 +1,5 @@
+import sys
+
+from edgetvm.tune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,205 @@
+"""``python -m edgetvm.tune model.onnx``: tune the kernels of a model's phase programs on the
+emulated NPU, appending every trial to a tuning log that ``python -m edgetvm.build
+model.onnx --log DIR`` replays."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from edgetvm.errors import EdgeTVMError
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "examples", "llama_tiny_with_past.onnx")
+
+
+def log_context(onnx_path: str, spec, profile, quantize):
+    """The :class:`~edgetvm.tune.log.LogContext` of a build of ``onnx_path``."""
+    from edgetvm.build.cli import _describe_quantize, file_sha256
+
+    from .log import LogContext
+    return LogContext.current(file_sha256(onnx_path), spec, profile,
+                              _describe_quantize(quantize))
+
+
+def select_keys(keys: list, phases) -> list:
+    """The (phase, rows, pages) of ``keys`` named by ``phases`` (phase names, e.g.
+    ``decode``, or program names, e.g. ``prefill_16x1p``)."""
+    if not phases:
+        return list(keys)
+    names = {f"{p}_{r}x{g}p": (p, r, g) for p, r, g in keys}
+    out = []
+    for want in phases:
+        hit = [k for k in keys if k[0] == want] or ([names[want]] if want in names else [])
+        if not hit:
+            raise EdgeTVMError(f"--phases: no program {want!r}; the build has "
+                               f"{', '.join(sorted(names))}")
+        out += [k for k in hit if k not in out]
+    return out
+
+
+def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regions",
+         buckets=None, chunk=None, quantize=None, max_tokens=None, phases=None,
+         trials=None, time_budget=None, log_dir="tuning_logs", workers=1, rpc_tracker=None,
+         rpc_key=None, timeout=300.0, seed=0, batch=8, use_model=True,
+         validate=True, progress=True) -> dict:
+    """Tune ``onnx_path``; returns the report (see :meth:`Tuner.report`).
+
+    Candidates are measured in this process, on ``workers`` local emulator processes, or
+    on the servers of the TVM RPC tracker ``rpc_tracker`` ("HOST:PORT") under
+    ``rpc_key`` (``workers``: how many of them at once; default every free one).
+    ``validate``: link every selected phase program with the default and with the
+    replayed knobs and measure both (``rep["phases"]``)."""
+    from edgetvm.build.cli import DEFAULT_BUCKETS
+    from edgetvm.build.compiler import ModelCompiler
+
+    from .log import TuningLog
+    from .tasks import extract_tasks
+    from .tuner import Tuner
+
+    if not os.path.isfile(onnx_path):
+        raise EdgeTVMError(f"{onnx_path}: no such file")
+    asked = (chunk,) if chunk else tuple(sorted(set(buckets or DEFAULT_BUCKETS)))
+    mc = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
+                       strategy=strategy, max_rows=max(asked), profile=profile)
+    rows = tuple(b for b in asked if b <= mc.max_tokens)
+    if not rows:
+        raise EdgeTVMError(f"no prefill bucket fits a KV cache of {mc.max_tokens} tokens")
+    keys = select_keys(mc.phase_keys(rows, chunked=bool(chunk)), phases)
+    ctx = log_context(onnx_path, mc.spec, mc.profile, quantize)
+    tasks = extract_tasks(mc, keys)
+    measurer = make_measurer(mc, tasks, ctx.profile, workers, rpc_tracker, rpc_key,
+                             timeout)
+    try:
+        with TuningLog(log_dir) as tlog:
+            tuner = Tuner(mc, tasks, tlog, ctx, seed=seed, batch=batch, measurer=measurer,
+                          use_model=use_model, progress=progress)
+            rep = tuner.run(trials=trials, time_budget=time_budget)
+    finally:
+        measurer.close()
+    rep["programs"] = [f"{p}_{r}x{g}p" for p, r, g in keys]
+    rep["context"] = ctx.as_dict()
+    if validate:
+        from .log import Replay
+        tuned = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
+                              strategy=strategy, max_rows=max(asked), profile=profile,
+                              knobs_for=Replay(log_dir, ctx))
+        rep["phases"] = [dict(program=f"{p}_{r}x{g}p",
+                              default_cycles=program_cycles(mc, (p, r, g)),
+                              tuned_cycles=program_cycles(tuned, (p, r, g)))
+                         for p, r, g in keys]
+    return rep
+
+
+def program_cycles(mc, key) -> int:
+    """Measured cycles of the whole linked phase program ``key`` of compiler ``mc`` (its
+    kernels with cross-kernel prefetch, at the bucket's full KV capacity)."""
+    from edgetvm.target.emulator import Emulator
+
+    from .tasks import measurement_params
+    program, graph = mc.program(*key), mc.graph(*key)
+    emu = Emulator(mc.spec, mc.profile)
+    return emu.run(program, {}, measurement_params(program, graph, mc.layout)
+                   ).counters.total_cycles
+
+
+def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
+                  timeout=300.0):
+    """The measurer the options ask for (:mod:`edgetvm.tune.measure`)."""
+    from .measure import ForkMeasurer, LocalMeasurer, RunnerMeasurer
+    if rpc_tracker:
+        from edgetvm.rpc_protocol import DEFAULT_KEY
+        from edgetvm.runner import connect
+        runner = connect(f"tracker://{rpc_tracker}/{rpc_key or DEFAULT_KEY}", spec=mc.spec,
+                         max_workers=workers if workers > 1 else None,
+                         call_timeout=timeout)
+        return RunnerMeasurer(mc, runner, profile)
+    if workers > 1:
+        return ForkMeasurer(mc, tasks, profile, workers, timeout)
+    return LocalMeasurer(mc, profile)
+
+
+def main(argv=None) -> int:
+    from edgetvm.build.cli import (_ints, add_build_options, check_build_options,
+                                   quantizer_of)
+
+    from .tuner import format_report
+
+    ap = argparse.ArgumentParser(prog="python -m edgetvm.tune",
+                                 description=" ".join(__doc__.split()))
+    ap.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                    help="ONNX file (default: the bundled example)")
+    ap.add_argument("--target", default="edge-npu-16mb", help="NPU preset or spec JSON")
+    ap.add_argument("--profile", default=None, help="power profile (default: the spec's)")
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--buckets", type=_ints, default=None, metavar="R1,R2,...",
+                       help="prefill length buckets (default 16,32,64,128,256,512)")
+    group.add_argument("--chunk", type=int, default=None, metavar="C",
+                       help="chunked prefill: one C-row prefill program per KV capacity")
+    add_build_options(ap)
+    budget = ap.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--trials", type=int, default=None, metavar="N",
+                        help="measurements to make in this run")
+    budget.add_argument("--time-budget", type=float, default=None, metavar="S",
+                        help="seconds to tune for")
+    ap.add_argument("--phases", default=None, metavar="P1,P2",
+                    help="tune only these programs: phase names (prefill, decode) or "
+                         "program names (decode_1x4p)")
+    ap.add_argument("--log", default="tuning_logs", metavar="DIR",
+                    help="tuning log directory (default tuning_logs/)")
+    ap.add_argument("--workers", type=int, default=1, metavar="N",
+                    help="local emulator processes measuring in parallel; with "
+                         "--rpc-tracker, servers used at once (default: every free one)")
+    ap.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
+                    help="measure on the emulator servers of this TVM RPC tracker")
+    ap.add_argument("--rpc-key", default=None, metavar="KEY",
+                    help="the servers' key at the tracker (default edgetvm-npu)")
+    ap.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                    help="seconds a candidate's measurement may take (default 300; enforced with "
+                         "--workers N > 1 and --rpc-tracker, where it runs in another "
+                         "process)")
+    ap.add_argument("--batch", type=int, default=8, help="candidates per round (default 8)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-model", action="store_true",
+                    help="random search, no cost model (the baseline)")
+    ap.add_argument("--no-validate", action="store_true",
+                    help="skip measuring the whole phase programs, default vs tuned")
+    ap.add_argument("--report-json", default=None, metavar="F")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(message)s")
+    check_build_options(ap, args)
+    if args.trials is not None and args.trials < 1:
+        ap.error("--trials must be >= 1")
+    if args.time_budget is not None and args.time_budget <= 0:
+        ap.error("--time-budget must be > 0")
+    if args.workers < 1 or args.batch < 1:
+        ap.error("--workers and --batch must be >= 1")
+    if args.rpc_key and not args.rpc_tracker:
+        ap.error("--rpc-key goes with --rpc-tracker HOST:PORT")
+    if args.rpc_tracker and (":" not in args.rpc_tracker or
+                             not args.rpc_tracker.rsplit(":", 1)[1].isdigit()):
+        ap.error(f"--rpc-tracker: expected HOST:PORT, got {args.rpc_tracker!r}")
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()] if args.phases else None
+    try:
+        rep = tune(args.model, target=args.target, profile=args.profile,
+                   strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
+                   quantize=quantizer_of(args), max_tokens=args.max_tokens, phases=phases,
+                   trials=args.trials, time_budget=args.time_budget, log_dir=args.log,
+                   workers=args.workers, rpc_tracker=args.rpc_tracker,
+                   rpc_key=args.rpc_key, timeout=args.timeout, seed=args.seed,
+                   batch=args.batch,
+                   use_model=not args.no_model, validate=not args.no_validate,
+                   progress=not args.quiet)
+    except EdgeTVMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(format_report(rep))
+    if args.report_json:
+        with open(args.report_json, "w") as f:
+            json.dump(rep, f, indent=1, default=str)
+    return 0

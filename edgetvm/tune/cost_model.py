@@ -1,0 +1,156 @@
+"""The cost model: XGBoost over features of what decides a kernel's cost on this NPU.
+
+Features are computed from a candidate's knobs and its task's shapes, without lowering
+(so a pool of hundreds of candidates is ranked in milliseconds and only the top ones are
+lowered and measured): DRAM bytes per level (activations, weights re-read per row tile,
+outputs), DMA count and mean DMA size (bursts), the TCM footprint of the tiles and their
+buffering slots (and its share of the TCM), tile counts, MACs and arithmetic intensity,
+the pipeline depth (slots) and the DMA split. MetaSchedule's per-store features know
+nothing of TCM, DMA or power, so its ``XGBModel`` feature extractor does not apply; the
+model itself is the same idea (gradient-boosted trees on log latency, trained online).
+
+One model serves every task: the target is ``log(cycles / default cycles)`` of the task,
+so tasks of very different sizes share what they teach (a larger tile that halves the
+weight re-reads helps every GEMV alike). The model only ranks which candidates to measure
+next; a chosen knob set is always a measured one.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+#: template kinds, one-hot in the features
+KINDS = ("cluster", "decode_attention", "prefill_attention", "embedding")
+
+FEATURES = (
+    "log_rows", "log_tile_m", "row_tiles", "tile_n_frac",
+    "log_act_bytes", "log_weight_bytes", "log_weight_dram", "weight_rereads",
+    "log_dma_count", "log_mean_dma", "log_tcm", "tcm_frac",
+    "log_macs", "log_intensity", "log_w_tiles", "mean_tn_frac", "mean_tk_frac",
+    "slots_in", "slots_out", "slots_w", "slots_c", "dma_split", "matmuls", "w4",
+    "log_tile_q", "log_tile_kv", "kv_tiles", "slots_kv", "slots_s",
+) + tuple(f"kind_{k}" for k in KINDS)
+
+
+def _l(x) -> float:
+    return math.log2(1.0 + max(0.0, float(x)))
+
+
+def features(task, knobs: dict, spec) -> np.ndarray:
+    f = dict.fromkeys(FEATURES, 0.0)
+    f[f"kind_{task.kind}"] = 1.0
+    sh = task.shape
+    rows = sh.get("rows", 1)
+    f["log_rows"] = _l(rows)
+    if task.kind == "cluster":
+        tm = knobs.get("tile_m", rows)
+        tiles = math.ceil(rows / tm)
+        f["log_tile_m"], f["row_tiles"] = _l(tm), tiles
+        if "tile_n" in knobs:
+            cols = max(b for b in sh["row_bytes"].values()) // 2 // max(1, rows)
+            f["tile_n_frac"] = knobs["tile_n"] / max(1, cols)
+        act = sum(sh["row_bytes"].values())
+        slots_in = knobs.get("slots_in", 1)
+        si = np.mean(list(slots_in.values())) if isinstance(slots_in, dict) and slots_in \
+            else float(slots_in if not isinstance(slots_in, dict) else 1)
+        so = knobs.get("slots_out", 1)
+        tcm = act / tiles * si + so * act / tiles
+        w_bytes = w_dram = dma = macs = w_tiles = 0.0
+        sw = sc = tnf = tkf = 0.0
+        mm = knobs.get("matmul", {})
+        for i, (stage, (n, k, group)) in enumerate(sorted(sh["matmuls"].items())):
+            kn = mm.get(stage, {})
+            tn, tk = kn.get("tile_n", n), kn.get("tile_k", k)
+            per_w = 0.5 if group else 2.0
+            wb = n * k * per_w + (n * (k // group) * 4 if group else 0)
+            w_bytes += wb
+            w_dram += wb * tiles                      # weights re-read per row tile
+            nt = math.ceil(n / tn) * math.ceil(k / tk)
+            w_tiles += nt * tiles
+            dma += nt * tiles * (3 if group else 1)
+            macs += rows * n * k
+            tcm += kn.get("slots_w", 1) * tn * tk * per_w + kn.get("slots_c", 1) * tm * tn * 4
+            sw += kn.get("slots_w", 1)
+            sc += kn.get("slots_c", 1)
+            tnf += tn / n
+            tkf += tk / k
+        nm = max(1, len(sh["matmuls"]))
+        dma += tiles * (len(sh["row_bytes"]) + 1)
+        dram = act + w_dram + rows * 2
+        f.update(log_act_bytes=_l(act), log_weight_bytes=_l(w_bytes), log_weight_dram=_l(w_dram),
+                 weight_rereads=tiles if w_bytes else 0.0, log_dma_count=_l(dma),
+                 log_mean_dma=_l(dram / max(1.0, dma)), log_tcm=_l(tcm),
+                 tcm_frac=tcm / spec.tcm_bytes, log_macs=_l(macs),
+                 log_intensity=_l(macs / max(1.0, dram)), log_w_tiles=_l(w_tiles),
+                 mean_tn_frac=tnf / nm, mean_tk_frac=tkf / nm, slots_in=si, slots_out=so,
+                 slots_w=sw / nm, slots_c=sc / nm, dma_split=knobs.get("dma_split", 0),
+                 matmuls=len(sh["matmuls"]), w4=float(any(sh["quant"])))
+    elif task.kind == "embedding":
+        tm = knobs["tile_m"]
+        tiles = math.ceil(rows / tm)
+        act = rows * sh["hidden"] * 2
+        f.update(log_tile_m=_l(tm), row_tiles=tiles, log_act_bytes=_l(act),
+                 log_dma_count=_l(rows + tiles), log_mean_dma=_l(act / (rows + tiles)),
+                 log_tcm=_l(knobs["slots_out"] * tm * sh["hidden"] * 2),
+                 tcm_frac=knobs["slots_out"] * tm * sh["hidden"] * 2 / spec.tcm_bytes,
+                 slots_out=knobs["slots_out"], dma_split=knobs["dma_split"])
+    else:
+        cap, hd, hk, hq = sh["capacity"], sh["head_dim"], sh["kv_heads"], sh["q_heads"]
+        tq = knobs.get("tile_q", 1)
+        tkv = knobs["tile_kv"]
+        q_tiles = math.ceil(rows / tq)
+        kv_tiles = math.ceil(cap / tkv)
+        kv_bytes = 2 * cap * hk * hd * 2
+        tcm = knobs["slots_kv"] * 2 * tkv * hk * hd * 2 + knobs["slots_s"] * tq * tkv * hq * 4
+        macs = 2 * rows * cap * hq * hd
+        dram = kv_bytes * q_tiles + rows * hq * hd * 4
+        dma = 2 * q_tiles * kv_tiles * max(1, tkv // 16) * hk
+        f.update(log_tile_q=_l(tq), log_tile_kv=_l(tkv), kv_tiles=kv_tiles,
+                 row_tiles=q_tiles, log_act_bytes=_l(rows * hq * hd * 2),
+                 log_weight_dram=_l(kv_bytes * q_tiles), log_dma_count=_l(dma),
+                 log_mean_dma=_l(dram / max(1, dma)), log_tcm=_l(tcm),
+                 tcm_frac=tcm / spec.tcm_bytes, log_macs=_l(macs),
+                 log_intensity=_l(macs / max(1, dram)), slots_kv=knobs["slots_kv"],
+                 slots_s=knobs["slots_s"])
+    return np.array([f[k] for k in FEATURES], dtype=np.float32)
+
+
+class CostModel:
+    """XGBoost regressor of ``log(cycles / task default cycles)``, refit as measurements
+    arrive; :meth:`rank` orders candidates by predicted latency (best first)."""
+
+    def __init__(self, seed: int = 0, min_samples: int = 8):
+        self.seed = seed
+        self.min_samples = min_samples
+        self.X: list = []
+        self.y: list = []
+        self._booster = None
+        self._fitted_on = 0
+
+    def add(self, x: np.ndarray, cycles: int, default_cycles: int) -> None:
+        self.X.append(x)
+        self.y.append(math.log(cycles / default_cycles))
+
+    @property
+    def trained(self) -> bool:
+        return self._booster is not None
+
+    def fit(self) -> None:
+        if len(self.y) < self.min_samples or len(self.y) == self._fitted_on:
+            return
+        import xgboost as xgb
+        d = xgb.DMatrix(np.stack(self.X), label=np.asarray(self.y, np.float32),
+                        feature_names=list(FEATURES))
+        params = dict(max_depth=6, eta=0.2, min_child_weight=1, subsample=1.0,
+                      objective="reg:squarederror", nthread=1, seed=self.seed, verbosity=0)
+        self._booster = xgb.train(params, d, num_boost_round=60)
+        self._fitted_on = len(self.y)
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        import xgboost as xgb
+        return self._booster.predict(xgb.DMatrix(X, feature_names=list(FEATURES)))
+
+    def rank(self, X: np.ndarray) -> np.ndarray:
+        """Indices of the rows of ``X`` by predicted latency, best first."""
+        return np.argsort(self.predict(X), kind="stable")

@@ -1,0 +1,274 @@
+"""The tuning log: append-only JSON lines, one record per tried candidate, crash-safe.
+
+A log is a directory (default ``tuning_logs/``) holding ``records.jsonl``. Every record is
+one line, written by a single ``os.write`` on an ``O_APPEND`` descriptor and ``fsync``'d
+before the tuner moves on, so
+
+* a record is in the log as soon as it is measured (a kill loses at most the candidate
+  being measured);
+* two tuners appending to one log interleave whole lines and lose nothing (``O_APPEND``
+  writes of a regular file land at the end atomically on local file systems);
+* a line torn by a crash mid-write is skipped with a warning on load, never aborts it
+  (MetaSchedule's ``JSONDatabase`` raises on the first bad line, apache/tvm #15549), and
+  the next writer first ends the torn line, so its own records stay whole.
+
+A record (``Record``) is keyed by its **context**, :class:`LogContext` (the model file's
+hash, the NPU spec hash, power profile, quantization, edgetvm version and emulator model
+version) and its **workload** (the SHA-256 of the kernel's structural key,
+:attr:`~edgetvm.build.kernels.Kernel.key`), and holds the knobs, the measured cycles (or
+the error of a failed trial, or the reason a candidate was rejected before measuring),
+its DRAM bytes, peak power and the wall time the trial took. Lookups filter on the whole
+context (MetaSchedule's database ignores the target on lookup, apache/tvm #7725).
+
+Why not MetaSchedule's ``Database`` (a ``PyDatabase`` subclass): its unit is a
+``TuningRecord`` = an s_tir ``Trace`` replayed onto a ``Workload`` IRModule, with run
+seconds and a ``Target``. The NPU's records do not fit that: the attention and embedding
+templates are written with explicit tile loops (``TileKernel``), not traced sampling
+decisions, so they have no trace to replay; the keys a record must carry (power profile,
+quantization, emulator model version, the outcome of a failed or rejected trial) have no
+place in a ``TuningRecord``; and a ``Workload`` is looked up by IRModule structural
+equality where our workloads are identified by the kernel key the linker already uses.
+Knobs are the replayable part here: :class:`~edgetvm.build.kernels.KernelBuilder` lowers a
+kernel from them (``knobs_for``), on the same path as the default build.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from edgetvm.errors import EdgeTVMError
+
+log = logging.getLogger("edgetvm")
+
+LOG_FILE = "records.jsonl"
+DEFAULT_LOG_DIR = "tuning_logs"
+FORMAT_VERSION = 1
+
+#: the keys of a context, in the order a mismatch is reported
+CONTEXT_KEYS = ("model", "spec", "profile", "quantization", "edgetvm", "emulator")
+
+OK, REJECTED, FAILED = "ok", "rejected", "failed"
+
+
+class TuningLogError(EdgeTVMError):
+    """A tuning log cannot be used: unreadable, or its records are for another context."""
+
+
+def workload_hash(kernel_key: str) -> str:
+    """The workload's structural hash: SHA-256 of the kernel's structural key."""
+    return hashlib.sha256(kernel_key.encode()).hexdigest()
+
+
+def canonical_knobs(knobs: dict) -> str:
+    return json.dumps(knobs, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class LogContext:
+    """What a measurement depends on besides the workload and its knobs."""
+
+    model: str             # SHA-256 of the ONNX file
+    spec: str              # NPUSpec.hash()
+    profile: str           # power profile name
+    quantization: str      # canonical JSON of the quantization, "none" for fp16
+    edgetvm: str           # edgetvm.__version__
+    emulator: int          # target.spec.EMULATOR_MODEL_VERSION
+
+    @classmethod
+    def current(cls, model_sha256: str, spec, profile: str, quantization) -> "LogContext":
+        import edgetvm
+        from edgetvm.target.spec import EMULATOR_MODEL_VERSION
+        q = "none" if not quantization else json.dumps(quantization, sort_keys=True)
+        return cls(model_sha256, spec.hash(), spec.profile(profile).name, q,
+                   edgetvm.__version__, int(EMULATOR_MODEL_VERSION))
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Record:
+    """One tried candidate."""
+
+    context: LogContext
+    workload: str                # workload_hash(kernel key)
+    kind: str                    # the template: cluster, decode_attention, embedding, ...
+    name: str                    # the kernel's name (for people)
+    knobs: dict
+    status: str                  # ok | rejected | failed
+    cycles: int | None = None
+    error: str | None = None
+    dram_bytes: int | None = None
+    peak_power_mw: float | None = None
+    wall_s: float = 0.0
+    time: float = field(default_factory=time.time)
+
+    @property
+    def knobs_key(self) -> str:
+        return canonical_knobs(self.knobs)
+
+    def to_json(self) -> str:
+        d = {"v": FORMAT_VERSION, **self.context.as_dict(), "workload": self.workload,
+             "kind": self.kind, "name": self.name, "knobs": self.knobs,
+             "status": self.status, "cycles": self.cycles, "error": self.error,
+             "dram_bytes": self.dram_bytes, "peak_power_mw": self.peak_power_mw,
+             "wall_s": round(self.wall_s, 6), "time": round(self.time, 3)}
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Record":
+        if d.get("v") != FORMAT_VERSION:
+            raise ValueError(f"format version {d.get('v')!r}")
+        ctx = LogContext(**{k: d[k] for k in CONTEXT_KEYS})
+        status = d["status"]
+        if status not in (OK, REJECTED, FAILED):
+            raise ValueError(f"status {status!r}")
+        cycles = d.get("cycles")
+        if status == OK and not (isinstance(cycles, int) and cycles > 0):
+            raise ValueError(f"a measured record without cycles ({cycles!r})")
+        if not isinstance(d["knobs"], dict):
+            raise ValueError("knobs are not an object")
+        return cls(ctx, str(d["workload"]), str(d["kind"]), str(d["name"]), d["knobs"],
+                   status, cycles, d.get("error"), d.get("dram_bytes"),
+                   d.get("peak_power_mw"), float(d.get("wall_s", 0.0)),
+                   float(d.get("time", 0.0)))
+
+
+class TuningLog:
+    """A log directory: append records, load them, look up the best per workload."""
+
+    def __init__(self, directory: str = DEFAULT_LOG_DIR, create: bool = True):
+        self.dir = directory
+        self.path = os.path.join(directory, LOG_FILE)
+        if not os.path.isdir(directory):
+            if not create:
+                raise TuningLogError(f"{directory}: no such tuning log directory")
+            os.makedirs(directory, exist_ok=True)
+        self._fd: int | None = None
+        self.skipped = 0                 # unreadable lines of the last load
+
+    # -- writing ---------------------------------------------------------------------------
+    def _open(self) -> int:
+        if self._fd is None:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # a crash mid-write left a line without its newline: end it first, so this
+            # writer's records are whole lines (the torn one is skipped on load). Racing
+            # writers may both add one: an empty line, which loads as nothing.
+            if os.fstat(fd).st_size:
+                with open(self.path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        os.write(fd, b"\n")
+            self._fd = fd
+        return self._fd
+
+    def append(self, record: Record) -> None:
+        """Write one record as one line, durably, before returning."""
+        line = (record.to_json() + "\n").encode()
+        fd = self._open()
+        n = os.write(fd, line)
+        if n != len(line):               # a full disk; never leave half a record behind
+            raise TuningLogError(f"{self.path}: short write ({n} of {len(line)} bytes)")
+        os.fsync(fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- reading ---------------------------------------------------------------------------
+    def records(self) -> list:
+        """Every readable record in file order; unreadable lines (a torn last line after a
+        kill, a damaged one) are skipped with a warning."""
+        self.skipped = 0
+        if not os.path.exists(self.path):
+            return []
+        out = []
+        with open(self.path, "rb") as f:
+            data = f.read()
+        lines = data.split(b"\n")
+        for no, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                out.append(Record.from_dict(json.loads(raw)))
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+                self.skipped += 1
+                torn = no == len(lines) and not data.endswith(b"\n")
+                log.warning("%s line %d: %s record skipped (%s)", self.path, no,
+                            "torn" if torn else "unreadable", str(e)[:120])
+        return out
+
+    def matching(self, context: LogContext) -> list:
+        return [r for r in self.records() if r.context == context]
+
+    def check_context(self, context: LogContext, records: list | None = None) -> list:
+        """The records of ``context``; a log with records but none of this context is
+        refused, naming every key whose value no record has."""
+        records = self.records() if records is None else records
+        if not records:
+            raise TuningLogError(f"{self.path}: no tuning records")
+        mine = [r for r in records if r.context == context]
+        if mine:
+            return mine
+        diffs = []
+        for k in CONTEXT_KEYS:
+            want = getattr(context, k)
+            have = sorted({str(getattr(r.context, k)) for r in records})
+            if str(want) not in have:
+                diffs.append(f"{k} is {want!r} here, the log has {', '.join(map(repr, have))}")
+        if not diffs:
+            diffs.append("no record matches every key at once (" +
+                         ", ".join(f"{k}={getattr(context, k)!r}" for k in CONTEXT_KEYS) + ")")
+        raise TuningLogError(f"tuning log {self.dir} does not match this build: " +
+                             "; ".join(diffs))
+
+    @staticmethod
+    def best(records: list) -> dict:
+        """workload -> its best measured Record (fewest cycles; ties broken by the knobs'
+        canonical text, so the choice does not depend on the order of the log)."""
+        best: dict = {}
+        for r in records:
+            if r.status != OK:
+                continue
+            cur = best.get(r.workload)
+            if cur is None or (r.cycles, r.knobs_key) < (cur.cycles, cur.knobs_key):
+                best[r.workload] = r
+        return best
+
+
+class Replay:
+    """``knobs_for`` of a :class:`~edgetvm.build.kernels.KernelBuilder` from a log: the best
+    logged knobs of each kernel, ``None`` (defaults) for kernels the log does not cover."""
+
+    def __init__(self, directory: str, context: LogContext):
+        tl = TuningLog(directory, create=False)
+        self.best = TuningLog.best(tl.check_context(context))
+        if not self.best:
+            raise TuningLogError(f"tuning log {directory}: no successful measurement for "
+                                 f"this build's context")
+        self.used: dict = {}          # workload -> Record, the kernels replayed
+
+    def __call__(self, kernel_key: str):
+        rec = self.best.get(workload_hash(kernel_key))
+        if rec is None:
+            return None
+        self.used[rec.workload] = rec
+        return json.loads(json.dumps(rec.knobs))       # a private copy
+
+    def summary(self) -> dict:
+        """What the artifact's manifest says about the replay (deterministic)."""
+        chosen = sorted(f"{w}:{r.knobs_key}:{r.cycles}" for w, r in self.used.items())
+        return {"kernels_tuned": len(self.used),
+                "records_sha256": hashlib.sha256("\n".join(chosen).encode()).hexdigest()}

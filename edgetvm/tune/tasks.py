@@ -1,0 +1,271 @@
+"""Tuning tasks: the distinct kernels of a model's phase programs, their knob spaces, and
+how one candidate is measured.
+
+A **task** is one structural kernel key (:attr:`~edgetvm.build.kernels.Kernel.key`): the
+30 layers of a model share one task per distinct cluster shape, and a shape that occurs
+in several phase programs (a decode MLP serves every KV capacity) is one task. Its
+weight is how often the kernel runs over the selected phase programs times its measured
+default latency, its share of the summed step latency.
+
+A **candidate** is a knob set of the task's template, in the keyword form the template
+takes (what :class:`~edgetvm.build.kernels.KernelBuilder` lowers and the log stores).
+The space of a fusion cluster is read from its template's sampling instructions
+(``SampleCategorical``, :func:`~edgetvm.tir_schedules.search.knob_space`): row tile,
+column tile of elementwise clusters, buffering slots per streamed input and output, the
+DMA split and, per matmul stage, its output and reduction tiles, weight and
+accumulator slots. Attention: query and KV tiles, KV and score slots. Embedding: row
+tile, output slots, DMA split. KV appends have no knobs and are not tasks.
+
+**Measurement** is :class:`~edgetvm.build.search.SegmentSearch`'s: the kernel relocated
+onto its phase tensors as the linker places it (strided views pay their DMA bursts),
+alone in a program, run twice back to back on one emulator timeline under the power
+profile (DVFS throttling charged) and the second run counted. Runtime parameters are
+those of the bucket's worst case: the KV cache full to the bucket's capacity.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import s_tir
+
+from edgetvm.build.graph import BuildError
+from edgetvm.build.kernels import cluster_matmuls, cluster_rows, stage_cluster
+from edgetvm.build.link import Linker, plan_dram
+from edgetvm.tir_schedules.attention import kv_tile_candidates
+from edgetvm.tir_schedules.common import tile_candidates
+from edgetvm.tir_schedules.fused import ROW_TILES, knob_names, schedule_cluster
+from edgetvm.tir_schedules.search import knob_space
+
+from .log import canonical_knobs, workload_hash
+
+log = logging.getLogger("edgetvm")
+
+
+@dataclass
+class Task:
+    key: str                     # the kernel's structural key
+    kind: str                    # cluster | decode_attention | prefill_attention | embedding
+    name: str
+    graph: object                # a representative instance: the first occurrence
+    group: tuple
+    count: int = 0               # how often the kernel runs over the selected programs
+    phases: set = field(default_factory=set)
+    space: dict = field(default_factory=dict)     # flat knob name -> candidate values
+    default_knobs: dict = field(default_factory=dict)
+    shape: dict = field(default_factory=dict)     # what the cost features need
+
+    @property
+    def label(self) -> str:
+        """The kernel and its shape, for people: ``mlp m=1 1536x576,1536x576,576x1536``."""
+        sh = self.shape
+        if self.kind == "cluster":
+            mm = ",".join(f"{n}x{k}" for n, k, _ in sh["matmuls"].values())
+            return f"{self.name} m={sh['rows']}" + (f" {mm}" if mm else "")
+        if self.kind == "embedding":
+            return f"embedding m={sh['rows']}"
+        return f"{self.kind} q={sh['rows']} kv={sh['capacity']}"
+
+    @property
+    def workload(self) -> str:
+        return workload_hash(self.key)
+
+    @property
+    def space_size(self) -> int:
+        return int(np.prod([len(v) for v in self.space.values()])) if self.space else 1
+
+    # -- the knob space --------------------------------------------------------------------
+    def to_knobs(self, point: dict) -> dict:
+        """A flat point of :attr:`space` in the template's keyword form."""
+        if self.kind != "cluster":
+            return dict(point)
+        knobs: dict = {"slots_in": {}, "matmul": {}}
+        for name, v in point.items():
+            if "." in name:
+                stage, k = name.split(".", 1)
+                knobs["matmul"].setdefault(stage, {})[k] = int(v)
+            elif name.startswith("slots_") and name not in ("slots_out",):
+                knobs["slots_in"][name[len("slots_"):]] = int(v)
+            else:
+                knobs[name] = int(v)
+        return knobs
+
+    def flatten(self, knobs: dict) -> dict:
+        """The flat form (names of :attr:`space`) of a knob set."""
+        if self.kind != "cluster":
+            return {k: knobs.get(k) for k in self.space}
+        point = {}
+        for name in self.space:
+            if "." in name:
+                stage, k = name.split(".", 1)
+                point[name] = knobs.get("matmul", {}).get(stage, {}).get(k)
+            elif name.startswith("slots_") and name != "slots_out":
+                s = knobs.get("slots_in")
+                point[name] = s.get(name[len("slots_"):]) if isinstance(s, dict) else s
+            else:
+                point[name] = knobs.get(name)
+        return point
+
+    def to_point(self, knobs: dict) -> dict | None:
+        """The flat point of a knob set, or None when it is not in :attr:`space`."""
+        point = self.flatten(knobs)
+        if any(point[k] not in vals for k, vals in self.space.items()):
+            return None
+        return point
+
+    def include(self, knobs: dict) -> None:
+        """Widen :attr:`space` to hold ``knobs`` (the defaults may pick a value the
+        template's candidate lists lack, e.g. a 512-row tile)."""
+        for k, v in self.flatten(knobs).items():
+            if v is not None and v not in self.space[k]:
+                self.space[k] = sorted(self.space[k] + [int(v)])
+
+    def sample(self, rng: random.Random, n: int, seen: set) -> list:
+        """Up to ``n`` distinct unseen points (canonical knob text not in ``seen``)."""
+        names = list(self.space)
+        if self.space_size <= 4 * n:
+            pts = [dict(zip(names, vals)) for vals in itertools.product(*self.space.values())]
+            rng.shuffle(pts)
+        else:
+            pts = [{k: rng.choice(v) for k, v in self.space.items()} for _ in range(2 * n)]
+        out, keys = [], set()
+        for p in pts:
+            k = canonical_knobs(self.to_knobs(p))
+            if k not in seen and k not in keys:
+                keys.add(k)
+                out.append(p)
+                if len(out) == n:
+                    break
+        return out
+
+    def neighbours(self, point: dict) -> list:
+        """Points one knob away from ``point``."""
+        out = []
+        for name, vals in self.space.items():
+            for v in vals:
+                if v != point[name]:
+                    out.append({**point, name: v})
+        return out
+
+
+def cluster_space(cluster) -> tuple:
+    """(flat knob space, shape facts) of a fusion cluster, read from its template."""
+    func = cluster.prim_func()
+    names = knob_names(func)
+    probe = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
+    schedule_cluster(probe)
+    space = knob_space(probe, names)
+    matmuls = cluster_matmuls(cluster)
+    shape = dict(rows=cluster_rows(cluster), matmuls=matmuls,
+                 quant=[st.op == "linear_w4a16" for st in cluster.stages
+                        if st.op.startswith("linear")],
+                 stages=len(cluster.stages),
+                 row_bytes={n: int(np.prod(s)) * 2 for n, (s, d) in cluster.tensors.items()
+                            if n not in cluster.consts},
+                 const_bytes=sum(int(np.prod(s)) * np.dtype(d).itemsize
+                                 for n, (s, d) in cluster.tensors.items()
+                                 if n in cluster.consts),
+                 out_bytes=0)
+    return space, shape
+
+
+def template_space(kind: str, graph, op, layout) -> tuple:
+    """(flat knob space, shape facts) of an attention or embedding kernel."""
+    if kind == "embedding":
+        rows = op.outputs["out"].shape[0]
+        space = dict(tile_m=tile_candidates(rows, ROW_TILES), slots_out=[1, 2],
+                     dma_split=[0, 1])
+        return space, dict(rows=rows, hidden=op.attrs["hidden"])
+    cap = graph.pages * layout.page_tokens
+    space = {}
+    if kind == "prefill_attention":
+        space["tile_q"] = tile_candidates(graph.rows, (8, 16, 32, 64, 128))
+    space.update(tile_kv=kv_tile_candidates(layout.page_tokens, cap), slots_kv=[1, 2],
+                 slots_s=[1, 2])
+    return space, dict(rows=graph.rows, capacity=cap, q_heads=op.attrs["q_heads"],
+                       kv_heads=layout.kv_heads, head_dim=layout.head_dim)
+
+
+def extract_tasks(mc, keys, strategy: str | None = None) -> list:
+    """The tasks of compiler ``mc``'s phase programs ``keys`` ((phase, rows, pages)), in
+    order of first occurrence."""
+    tasks: dict = {}
+    for key in keys:
+        g = mc.graph(*key)
+        consumers = g.consumers()
+        for group in mc.partition(g, strategy):
+            op = g.ops[group[0]]
+            if op.kind == "kv_append":
+                continue
+            k = mc.kernels.kernel(g, group, consumers)      # default knobs
+            t = tasks.get(k.key)
+            if t is None:
+                if op.kind == "stage":
+                    cluster, _ = stage_cluster(g, group, consumers)
+                    kind, (space, shape) = "cluster", cluster_space(cluster)
+                elif op.kind == "attention":
+                    kind = f"{g.phase}_attention"
+                    space, shape = template_space(kind, g, op, mc.layout)
+                elif op.kind == "embedding":
+                    kind = "embedding"
+                    space, shape = template_space(kind, g, op, mc.layout)
+                else:
+                    raise BuildError(f"op {op.name}: no tuning template for {op.kind}")
+                t = tasks[k.key] = Task(k.key, kind, k.name, g, tuple(group), space=space,
+                                        default_knobs=dict(k.knobs), shape=shape)
+                t.include(t.default_knobs)
+                # the defaults in the space's own form, so that the search never measures
+                # them again under another spelling (slots_in 2 vs {"t0": 2})
+                t.default_knobs = t.to_knobs(t.to_point(t.default_knobs))
+            t.count += 1
+            t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
+    return list(tasks.values())
+
+
+# -- measurement -------------------------------------------------------------------------
+def measurement_params(program, graph, layout) -> dict:
+    """Runtime parameters of a kernel program at the bucket's worst case: the KV cache
+    full to the bucket's capacity (pages 0, 1, ... in order), the new rows at its end."""
+    pt = layout.page_tokens
+    cap = graph.pages * pt
+    rows = graph.rows
+    pos = max(0, cap - rows)
+    table = list(range(layout.num_pages))
+    params = {f"ids.{i}": i for i in range(rows)}
+    params.update(pos=pos, valid_len=pos + rows, last_row=rows - 1)
+    params.update(layout.slot_params(table, pos, rows, rows))
+    params.update(layout.page_table_params(table, graph.pages))
+    params.update({f"dst_page.{i}": table[pos // pt + i] for i in range(max(1, rows // pt))
+                   if pos // pt + i < len(table)})
+    missing = [p for p in program.params if p not in params]
+    if missing:
+        raise BuildError(f"kernel program {program.name}: no measurement value for runtime "
+                         f"parameter(s) {missing}")
+    return {p: params[p] for p in program.params}
+
+
+def kernel_program(kernel, graph, spec, copies: int = 1):
+    """The kernel alone in a program (``copies`` times, back to back), relocated onto its
+    phase tensors."""
+    plan = plan_dram(graph, [kernel] * copies, spec.dram_burst_bytes)
+    linker = Linker(graph, plan, spec, f"candidate_{kernel.name}", prefetch=False)
+    for _ in range(copies):
+        linker.add(kernel)
+    return linker.build()
+
+
+def run_steady(emulator, program, params):
+    """Counters of the second of two back-to-back runs on one timeline."""
+    clock = emulator.timeline()
+    clock.run(program, {}, params)
+    return clock.run(program, {}, params).counters
+
+
+def measure_kernel(kernel, graph, spec, layout, emulator):
+    """The measured Counters of ``kernel`` (see the module docstring)."""
+    program = kernel_program(kernel, graph, spec)
+    return run_steady(emulator, program, measurement_params(program, graph, layout))

@@ -1,0 +1,313 @@
+"""The tuner: per task, candidates ranked by the cost model and measured on the emulator;
+a gradient task scheduler spends the trials; every trial goes to the log as it ends.
+
+Loop (MetaSchedule's shape: ``TaskScheduler`` -> ``SearchStrategy`` -> ``CostModel`` ->
+``Runner`` -> ``Database``, here over the NPU's knob records):
+
+1. every task's default knobs are measured first (its baseline and its weight: how often
+   it runs x that latency); a record already in the log is reused, not measured again;
+2. the scheduler picks a task: each task once (warm-up), then the one whose gradient is
+   largest, ``count * (alpha * backward + (1 - alpha) * forward)``, with ``backward`` the
+   cycles its best fell per round over the last rounds and ``forward`` the optimistic
+   ``best / (trials + 1)`` (MetaSchedule's ``GradientBased`` task scheduler);
+3. a round proposes ``batch`` unseen candidates: a pool of random points and the
+   neighbours of the best one (one knob changed), ranked by the XGBoost model once it
+   has data (a quarter of the batch stays random, for exploration), else random;
+4. each candidate is lowered (a TCM overflow is a *rejected* record, never measured),
+   relocated and run on the emulator (an error is a *failed* record); the measured
+   ones train the model. Nothing already in the log is tried again (resume).
+
+MetaSchedule's ``TaskScheduler`` and ``SearchStrategy`` are not subclassed: both work on
+``TuneContext`` objects whose space is an s_tir schedule trace and whose candidates are
+``MeasureCandidate`` (a schedule plus argument info). The attention and embedding
+templates have no trace to mutate, and a candidate here is a knob set that
+:class:`~edgetvm.build.kernels.KernelBuilder` lowers on the build's own path; the
+scheduler's rule (gradient with a backward window and an optimistic forward estimate) is
+MetaSchedule's, over these tasks.
+
+A candidate whose power the profile's budget cannot sustain is throttled by the
+emulator's governor while it is measured, so its cycles include what the budget costs;
+the best record per kernel is the one fastest *under* the profile.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgetvm.errors import CandidateRejected, EdgeTVMError
+
+from .cost_model import CostModel, features
+from .log import FAILED, OK, REJECTED, Record, canonical_knobs
+from .measure import LocalMeasurer
+
+log = logging.getLogger("edgetvm")
+
+
+class TuneError(EdgeTVMError):
+    """The tuner cannot run as asked."""
+
+
+@dataclass
+class TaskState:
+    task: object
+    seen: set = field(default_factory=set)       # canonical knobs tried (any outcome)
+    default_cycles: int | None = None
+    best_cycles: int | None = None
+    best_knobs: dict | None = None
+    history: list = field(default_factory=list)  # best cycles after each round
+    trials: int = 0                              # measured (ok + failed) this run and before
+    rejected: int = 0
+    failed: int = 0
+    exhausted: bool = False
+
+    def offer(self, rec: Record) -> None:
+        self.seen.add(rec.knobs_key)
+        if rec.status == REJECTED:
+            self.rejected += 1
+            return
+        self.trials += 1
+        if rec.status == FAILED:
+            self.failed += 1
+            return
+        if self.best_cycles is None or (rec.cycles, rec.knobs_key) < \
+                (self.best_cycles, canonical_knobs(self.best_knobs)):
+            self.best_cycles, self.best_knobs = rec.cycles, rec.knobs
+
+
+class Tuner:
+    """Tunes the kernels of ``tasks`` (from :func:`~edgetvm.tune.tasks.extract_tasks`) of
+    compiler ``mc``, logging to ``tlog`` under ``context``, measuring with ``measurer``
+    (:mod:`edgetvm.tune.measure`; default: in this process)."""
+
+    def __init__(self, mc, tasks, tlog, context, *, seed: int = 0, batch: int = 8,
+                 measurer=None, alpha: float = 0.2, window: int = 3,
+                 use_model: bool = True, progress: bool = True):
+        if not tasks:
+            raise TuneError("nothing to tune: the selected phase programs have no kernel "
+                            "with knobs")
+        self.mc, self.log, self.ctx = mc, tlog, context
+        self.states = [TaskState(t) for t in tasks]
+        self.rng = random.Random(seed)
+        self.batch, self.alpha, self.window = int(batch), alpha, window
+        self.model = CostModel(seed) if use_model else None
+        self.measurer = measurer or LocalMeasurer(mc, context.profile)
+        self.progress = progress
+        self.measured_now = 0                     # measurements made by this run
+        self._resume()
+
+    # -- resume ----------------------------------------------------------------------------
+    def _resume(self) -> None:
+        by_w = {s.task.workload: s for s in self.states}
+        recs = [r for r in self.log.matching(self.ctx) if r.workload in by_w]
+        for r in recs:
+            by_w[r.workload].offer(r)
+        for s in self.states:
+            d = canonical_knobs(s.task.default_knobs)
+            for r in recs:
+                if r.workload == s.task.workload and r.status == OK and r.knobs_key == d:
+                    s.default_cycles = r.cycles
+        self._pending_training = recs
+        if recs:
+            log.info("resumed %d records of %d tasks from %s", len(recs),
+                     len({r.workload for r in recs}), self.log.path)
+
+    def _train_from(self, recs) -> None:
+        if self.model is None:
+            return
+        by_w = {s.task.workload: s for s in self.states}
+        for r in recs:
+            s = by_w.get(r.workload)
+            if r.status == OK and s is not None and s.default_cycles:
+                self.model.add(features(s.task, r.knobs, self.mc.spec), r.cycles,
+                               s.default_cycles)
+
+    # -- measuring -------------------------------------------------------------------------
+    def _record(self, task, knobs, status, *, m=None, error=None, wall_s=0.0) -> Record:
+        rec = Record(self.ctx, task.workload, task.kind, task.name, knobs, status,
+                     cycles=m.cycles if m else None, error=error,
+                     dram_bytes=m.dram_bytes if m else None,
+                     peak_power_mw=round(m.peak_power_mw, 3) if m else None, wall_s=wall_s)
+        self.log.append(rec)
+        if status != REJECTED:
+            self.measured_now += 1
+        return rec
+
+    def _measure_batch(self, state, batch: list) -> list:
+        """Records of ``batch`` (knob sets of one task); each is in the log before this
+        returns."""
+        out = []
+        for kn, (res, wall) in zip(batch, self.measurer.measure(state.task, batch)):
+            if isinstance(res, CandidateRejected):
+                out.append(self._record(state.task, kn, REJECTED, error=str(res)[:500],
+                                        wall_s=wall))
+            elif isinstance(res, BaseException):
+                out.append(self._record(state.task, kn, FAILED, wall_s=wall,
+                                        error=f"{type(res).__name__}: {str(res)[:400]}"))
+            else:
+                out.append(self._record(state.task, kn, OK, m=res, wall_s=wall))
+        return out
+
+    # -- the loop --------------------------------------------------------------------------
+    def _baselines(self) -> None:
+        for s in self.states:
+            if s.default_cycles is None:
+                (rec,) = self._measure_batch(s, [s.task.default_knobs])
+                s.offer(rec)
+                if rec.status != OK:
+                    log.warning("task %s: the default knobs do not measure (%s); skipped",
+                                s.task.name, rec.error)
+                    s.exhausted = True
+                    continue
+                s.default_cycles = rec.cycles
+            if not s.history:
+                s.history.append(s.best_cycles)
+        self._train_from(self._pending_training)
+        self._pending_training = []
+
+    def step_cycles(self) -> int:
+        """Sum over the tasks of (occurrences x best measured cycles)."""
+        return sum(s.task.count * (s.best_cycles or 0) for s in self.states)
+
+    def default_step_cycles(self) -> int:
+        return sum(s.task.count * (s.default_cycles or 0) for s in self.states)
+
+    def _pick(self):
+        live = [s for s in self.states if not s.exhausted and s.best_cycles]
+        if not live:
+            return None
+        fresh = [s for s in live if len(s.history) < 2]
+        if fresh:
+            return fresh[0]
+
+        def grad(s):
+            h = s.history
+            w = min(self.window, len(h) - 1)
+            backward = (h[-1 - w] - h[-1]) / w
+            forward = s.best_cycles / (s.trials + 1)
+            return s.task.count * (self.alpha * backward + (1 - self.alpha) * forward)
+        return max(live, key=grad)
+
+    def _propose(self, s, n: int) -> list:
+        t = s.task
+        pool = t.sample(self.rng, max(64, 8 * n), s.seen)
+        best_point = t.to_point(s.best_knobs) if s.best_knobs else None
+        if best_point is not None:
+            keys = {canonical_knobs(t.to_knobs(p)) for p in pool}
+            for p in t.neighbours(best_point):
+                k = canonical_knobs(t.to_knobs(p))
+                if k not in s.seen and k not in keys:
+                    keys.add(k)
+                    pool.append(p)
+        if not pool:
+            return []
+        if self.model is not None and self.model.trained and len(pool) > n:
+            X = np.stack([features(t, t.to_knobs(p), self.mc.spec) for p in pool])
+            order = list(self.model.rank(X))
+            explore = max(1, n // 4)
+            chosen = order[:n - explore]
+            rest = order[n - explore:]
+            chosen += self.rng.sample(rest, min(explore, len(rest)))
+            pool = [pool[i] for i in chosen]
+        else:
+            self.rng.shuffle(pool)
+            pool = pool[:n]
+        return [t.to_knobs(p) for p in pool]
+
+    def run(self, trials: int | None = None, time_budget: float | None = None) -> dict:
+        """Tune until ``trials`` measurements were made by this run (rejected candidates do
+        not count) or ``time_budget`` seconds passed, or every space is exhausted."""
+        if trials is None and time_budget is None:
+            raise TuneError("give a budget: trials or a time budget")
+        t_start = time.time()
+        bar = _bar(trials, self.progress)
+        try:
+            self._baselines()
+            bar.update(self.measured_now)
+            while True:
+                if trials is not None and self.measured_now >= trials:
+                    break
+                if time_budget is not None and time.time() - t_start >= time_budget:
+                    break
+                s = self._pick()
+                if s is None:
+                    break
+                n = self.batch if trials is None else min(self.batch,
+                                                          trials - self.measured_now)
+                batch = self._propose(s, max(1, n))
+                if not batch:
+                    s.exhausted = True
+                    continue
+                before = self.measured_now
+                recs = self._measure_batch(s, batch)
+                for r in recs:
+                    s.offer(r)
+                self._train_from(recs)
+                if self.model is not None:
+                    self.model.fit()
+                s.history.append(s.best_cycles)
+                bar.update(self.measured_now - before)
+                bar.set_postfix_str(f"step {self.step_cycles():,} cyc "
+                                    f"(default {self.default_step_cycles():,})")
+        finally:
+            bar.close()
+        return self.report(time.time() - t_start)
+
+    def report(self, seconds: float) -> dict:
+        rows = []
+        for s in self.states:
+            t = s.task
+            rows.append(dict(task=t.label, kind=t.kind, workload=t.workload[:12],
+                             count=t.count, phases=sorted(t.phases),
+                             default_cycles=s.default_cycles, best_cycles=s.best_cycles,
+                             speedup=(s.default_cycles / s.best_cycles)
+                             if s.best_cycles else None,
+                             trials=s.trials, rejected=s.rejected, failed=s.failed,
+                             space=t.space_size, best_knobs=s.best_knobs))
+        return dict(tasks=rows, measured=self.measured_now, seconds=seconds,
+                    step_cycles_default=self.default_step_cycles(),
+                    step_cycles_tuned=self.step_cycles(), log=self.log.path)
+
+
+class _NoBar:
+    def update(self, _):
+        pass
+
+    def set_postfix_str(self, _):
+        pass
+
+    def close(self):
+        pass
+
+
+def _bar(total, on: bool):
+    if not on:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, unit="trial", file=sys.stderr, desc="tuning")
+
+
+def format_report(rep: dict) -> str:
+    lines = [f"{'task':<44} {'runs':>4} {'default_cyc':>11} {'best_cyc':>11} "
+             f"{'x':>5} {'trials':>6} {'rej':>4} {'fail':>4}"]
+    for r in sorted(rep["tasks"], key=lambda r: -(r["count"] * (r["default_cycles"] or 0))):
+        sp = f"{r['speedup']:.2f}" if r["speedup"] else "-"
+        lines.append(f"{r['task'][:44]:<44} {r['count']:>4} "
+                     f"{r['default_cycles'] or 0:>11,} {r['best_cycles'] or 0:>11,} {sp:>5} "
+                     f"{r['trials']:>6} {r['rejected']:>4} {r['failed']:>4}")
+    d, b = rep["step_cycles_default"], rep["step_cycles_tuned"]
+    lines.append(f"sum over the selected programs (runs x cycles): {d:,} -> {b:,} cycles "
+                 f"({d / b:.3f}x)" if b else "nothing measured")
+    lines.append(f"{rep['measured']} measurements in {rep['seconds']:.1f} s; log {rep['log']}")
+    if rep.get("phases"):
+        lines.append(f"{'whole program (linked, prefetch)':<36} {'default_cyc':>11} "
+                     f"{'tuned_cyc':>11} {'x':>6}")
+        for r in rep["phases"]:
+            lines.append(f"{r['program']:<36} {r['default_cycles']:>11,} "
+                         f"{r['tuned_cycles']:>11,} "
+                         f"{r['default_cycles'] / r['tuned_cycles']:>6.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,319 @@
+"""The tuner end to end on the tiny Llama: knob overrides, tasks, measurement, resume,
+failed and rejected trials, the cost model, replay into byte-identical artifacts whose
+kernels measure what the log says."""
+import json
+import pathlib
+import zipfile
+
+import numpy as np
+import pytest
+
+from edgetvm.build.cli import build
+from edgetvm.build.cli import main as build_main
+from edgetvm.build.compiler import ModelCompiler
+from edgetvm.build.graph import BuildError
+from edgetvm.errors import CandidateRejected
+from edgetvm.target.emulator import Emulator
+from edgetvm.target.spec import load_spec, spec_from_dict
+from edgetvm.tune.cli import log_context, select_keys, tune
+from edgetvm.tune.cli import main as tune_main
+from edgetvm.tune.cost_model import CostModel, features
+from edgetvm.tune.log import OK, REJECTED, Replay, TuningLog, canonical_knobs, workload_hash
+from edgetvm.tune.tasks import extract_tasks, measure_kernel
+from edgetvm.tune.tuner import Tuner
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
+LLAMA = str(DATA / "llama_tiny_with_past.onnx")
+SMALL = dict(buckets=(8, 16), max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def mc():
+    return ModelCompiler(LLAMA, max_tokens=64, max_rows=16)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tl") / "log")
+    rep = tune(LLAMA, **SMALL, trials=150, log_dir=d, progress=False, seed=1)
+    return d, rep
+
+
+def _mlp(mc, phase=("prefill", 16, 1)):
+    g = mc.graph(*phase)
+    for grp in mc.partition(g):
+        if g.ops[grp[0]].kind == "stage" and len(grp) == 4:
+            return g, grp
+    raise AssertionError("no MLP cluster")
+
+
+def test_knob_overrides_lower_the_given_knobs_on_the_build_path(mc):
+    g, grp = _mlp(mc)
+    default = mc.kernels.kernel(g, grp)
+    knobs = json.loads(json.dumps(default.knobs))
+    knobs["tile_m"] = 4
+    knobs["matmul"]["s3"]["tile_k"] = 32
+    k = mc.kernels.kernel(g, grp, knobs=knobs)
+    assert k.knobs == knobs and k.key == default.key
+    assert k.program.commands != default.program.commands
+    # knobs_for: the same kernel through a builder that replays them
+    from edgetvm.build.kernels import KernelBuilder
+    kb = KernelBuilder(mc.spec, mc.layout, knobs_for=lambda key: knobs if key == k.key else None)
+    again = kb.kernel(g, grp)
+    assert again.knobs == knobs and again.program.commands == k.program.commands
+    # attention knobs too; a tile the template refuses is a rejected candidate
+    att = [grp for grp in mc.partition(g) if g.ops[grp[0]].kind == "attention"][0]
+    a = mc.kernels.kernel(g, att, knobs=dict(tile_q=8, tile_kv=16, slots_kv=1, slots_s=2))
+    assert a.knobs["tile_q"] == 8
+    with pytest.raises(CandidateRejected, match="tile_kv"):
+        mc.kernels.kernel(g, att, knobs=dict(tile_q=8, tile_kv=24, slots_kv=1, slots_s=1))
+
+
+def test_knobs_over_the_tcm_are_rejected_and_replayed_ones_refused():
+    d = load_spec("edge-npu-16mb").to_dict()
+    d.update(tcm_bytes=32768, name="tcm-32k")
+    small = ModelCompiler(LLAMA, spec_from_dict(d), max_tokens=64, max_rows=16)
+    g, grp = _mlp(small)
+    big = dict(tile_m=16, slots_in=2, slots_out=2, dma_split=1,
+               matmul={s: dict(tile_n=n, tile_k=k, slots_w=2, slots_c=2)
+                       for s, n, k in (("s0", 160, 64), ("s1", 160, 64), ("s3", 64, 160))})
+    with pytest.raises(CandidateRejected, match="TCM overflow"):
+        small.kernels.kernel(g, grp, knobs=big)
+    from edgetvm.build.kernels import KernelBuilder
+    kb = KernelBuilder(small.spec, small.layout, knobs_for=lambda key: big)
+    with pytest.raises(BuildError, match="logged knobs"):
+        kb.kernel(g, grp)
+
+
+def test_tasks_are_distinct_kernels_counted_over_the_programs(mc):
+    keys = select_keys(mc.phase_keys((8, 16)), ["decode"])
+    assert keys == [("decode", 1, 1), ("decode", 1, 2), ("decode", 1, 4)]
+    tasks = extract_tasks(mc, keys)
+    assert len({t.key for t in tasks}) == len(tasks)
+    n_kernels = 0
+    for k in keys:
+        g = mc.graph(*k)
+        n_kernels += sum(g.ops[grp[0]].kind != "kv_append" for grp in mc.partition(g))
+    assert sum(t.count for t in tasks) == n_kernels
+    att = [t for t in tasks if t.kind == "decode_attention"]
+    assert len(att) == 3 and all(t.count == 2 for t in att)      # one per capacity, 2 layers
+    mlp = [t for t in tasks if t.name.count("+") == 3]
+    assert len(mlp) == 1 and mlp[0].count == 2 * 3 and \
+        {"decode_1x1p", "decode_1x4p"} <= mlp[0].phases
+    for t in tasks:                       # the default knobs are a point of the space,
+        p = t.to_point(t.default_knobs)   # in the spelling the search proposes
+        assert p is not None and canonical_knobs(t.to_knobs(p)) == \
+            canonical_knobs(t.default_knobs)
+        k = mc.kernels.kernel(t.graph, list(t.group))
+        assert mc.kernels.kernel(t.graph, list(t.group), knobs=t.default_knobs
+                                 ).program.commands == k.program.commands
+
+
+def test_the_space_holds_the_defaults_of_tall_row_tiles():
+    big = ModelCompiler(LLAMA, max_tokens=512, max_rows=512)
+    tasks = extract_tasks(big, [("prefill", 512, 32)])
+    mlp = [t for t in tasks if t.name.count("+") == 3][0]
+    assert mlp.default_knobs["tile_m"] > 128          # beyond the template's candidates
+    for t in tasks:
+        assert t.to_point(t.default_knobs) is not None, t.label
+    # a default the template's candidates lack (256 rows of 512) widens the space
+    odd = {**mlp.default_knobs, "tile_m": 256}
+    before = list(mlp.space["tile_m"])
+    assert 256 not in before and mlp.to_point(odd) is None
+    mlp.include(odd)
+    assert mlp.space["tile_m"] == sorted(before + [256]) and mlp.to_point(odd)["tile_m"] == 256
+
+
+def test_tuning_improves_logs_everything_and_resumes_without_remeasuring(tuned):
+    d, rep = tuned
+    assert rep["measured"] == 150
+    assert rep["step_cycles_tuned"] < rep["step_cycles_default"]
+    for row in rep["tasks"]:
+        assert row["best_cycles"] <= row["default_cycles"]
+    recs = TuningLog(d).records()
+    assert len(recs) == 150 and {r.status for r in recs} == {OK}
+    ctx = recs[0].context
+    assert all(r.context == ctx for r in recs)
+    assert ctx.profile == "performance" and ctx.spec == load_spec("edge-npu-16mb").hash()
+    seen = {(r.workload, r.knobs_key) for r in recs}
+    assert len(seen) == len(recs)
+    # rerun with the same log: the baselines come from the log, nothing is tried twice
+    rep2 = tune(LLAMA, **SMALL, trials=30, log_dir=d, progress=False, seed=1)
+    recs2 = TuningLog(d).records()
+    assert rep2["measured"] == 30 and len(recs2) == 180
+    assert len({(r.workload, r.knobs_key) for r in recs2}) == 180
+    for a, b in zip(sorted(rep["tasks"], key=lambda r: r["workload"]),
+                    sorted(rep2["tasks"], key=lambda r: r["workload"])):
+        assert b["best_cycles"] <= a["best_cycles"] and \
+            b["default_cycles"] == a["default_cycles"]
+
+
+def test_failed_and_rejected_trials_are_logged_and_the_tuner_goes_on(tmp_path, monkeypatch):
+    import edgetvm.tune.measure as measure_mod
+    d = load_spec("edge-npu-16mb").to_dict()
+    d.update(tcm_bytes=32768, name="tcm-32k")
+    small = ModelCompiler(LLAMA, spec_from_dict(d), max_tokens=64, max_rows=16)
+    keys = [("prefill", 16, 1)]
+    tasks = [t for t in extract_tasks(small, keys) if t.name.count("+") == 3]
+    real = measure_mod.run_steady
+    calls = {"n": 0}
+
+    def flaky(emu, program, params):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("emulator lost")
+        return real(emu, program, params)
+    monkeypatch.setattr(measure_mod, "run_steady", flaky)
+    ctx = log_context(LLAMA, small.spec, None, None)
+    with TuningLog(str(tmp_path / "log")) as tl:
+        rep = Tuner(small, tasks, tl, ctx, progress=False, seed=3).run(trials=12)
+    recs = TuningLog(str(tmp_path / "log")).records()
+    by = {s: [r for r in recs if r.status == s] for s in ("ok", "failed", "rejected")}
+    assert rep["measured"] == 12 == len(by["ok"]) + len(by["failed"])
+    assert len(by["failed"]) >= 3 and all("emulator lost" in r.error for r in by["failed"])
+    assert by["rejected"] and all("TCM overflow" in r.error for r in by["rejected"])
+    assert rep["tasks"][0]["failed"] == len(by["failed"])
+
+
+def test_the_cost_model_ranks_unseen_candidates(mc):
+    """Trained on 48 measured candidates of the decode tasks, it orders 48 others far
+    better than chance (Spearman rank correlation)."""
+    import random
+    tasks = [t for t in extract_tasks(mc, [("decode", 1, 4), ("prefill", 16, 1)])
+             if t.space_size > 40]
+    emu = Emulator(mc.spec)
+    rng = random.Random(0)
+    rows = []
+    for t in tasks:
+        base = measure_kernel(mc.kernels.kernel(t.graph, list(t.group)), t.graph, mc.spec,
+                              mc.layout, emu).total_cycles
+        for p in t.sample(rng, 16, set()):
+            kn = t.to_knobs(p)
+            try:
+                k = mc.kernels.kernel(t.graph, list(t.group), knobs=kn)
+            except CandidateRejected:
+                continue
+            c = measure_kernel(k, t.graph, mc.spec, mc.layout, emu).total_cycles
+            rows.append((features(t, kn, mc.spec), c, base))
+    rng.shuffle(rows)
+    train, test = rows[:len(rows) // 2], rows[len(rows) // 2:]
+    assert len(test) >= 24
+    m = CostModel(seed=0)
+    for x, c, b in train:
+        m.add(x, c, b)
+    m.fit()
+    pred = m.predict(np.stack([x for x, _, _ in test]))
+    truth = np.log([c / b for _, c, b in test])
+    rank = lambda v: np.argsort(np.argsort(v))        # noqa: E731
+    rho = np.corrcoef(rank(pred), rank(truth))[0, 1]
+    assert rho > 0.5, rho
+
+
+def test_replay_builds_identical_bytes_with_the_logged_knobs_and_latency(tuned, tmp_path):
+    d, rep = tuned
+    a, b, plain = tmp_path / "a.npu", tmp_path / "b.npu", tmp_path / "plain.npu"
+    m = build(LLAMA, str(a), **SMALL, progress=False, log_dir=d)
+    build(LLAMA, str(b), **SMALL, progress=False, log_dir=d)
+    build(LLAMA, str(plain), **SMALL, progress=False)
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() != plain.read_bytes()
+    assert m["tuning"]["kernels_tuned"] == len(rep["tasks"])
+    # every kernel of every program carries its log's best knobs
+    best = TuningLog.best(TuningLog(d).records())
+    mc = ModelCompiler(LLAMA, max_tokens=64, max_rows=16,
+                       knobs_for=Replay(d, log_context(LLAMA, load_spec("edge-npu-16mb"),
+                                                       None, None)))
+    with zipfile.ZipFile(a) as z:
+        manifest = json.loads(z.read("manifest.json"))
+    assert manifest["tuning"] == m["tuning"]
+    emu = Emulator(mc.spec)
+    checked = 0
+    for phase, rows, pages in [("decode", 1, 4), ("prefill", 16, 1)]:
+        g = mc.graph(phase, rows, pages)
+        cons = g.consumers()
+        for grp in mc.partition(g):
+            k = mc.kernels.kernel(g, grp, cons)
+            r = best.get(workload_hash(k.key))
+            if r is None:
+                assert g.ops[grp[0]].kind == "kv_append"
+                continue
+            assert canonical_knobs(k.knobs) == r.knobs_key
+            # the replayed kernel measures what the log recorded
+            assert measure_kernel(k, g, mc.spec, mc.layout, emu).total_cycles == r.cycles
+            checked += 1
+    assert checked >= 20
+
+
+def test_build_refuses_a_log_of_another_profile_or_quantization(tuned, tmp_path, capsys):
+    d, _ = tuned
+    out = str(tmp_path / "x.npu")
+    args = [LLAMA, "-o", out, "--buckets", "8,16", "--max-tokens", "64", "-q", "--log", d]
+    assert build_main(args + ["--profile", "balanced"]) == 1
+    err = capsys.readouterr().err
+    assert "profile is 'balanced' here, the log has 'performance'" in err
+    assert build_main(args + ["--quantize", "32"]) == 1
+    err = capsys.readouterr().err
+    assert "quantization is" in err and "profile" not in err
+    assert build_main(args[:-2] + ["--log", str(tmp_path / "none")]) == 1
+    assert "no such tuning log" in capsys.readouterr().err
+
+
+def test_tune_cli(tmp_path, capsys):
+    d = str(tmp_path / "log")
+    assert tune_main([LLAMA, "--buckets", "8", "--max-tokens", "16", "--phases", "decode",
+                      "--trials", "20", "--log", d, "-q", "--report-json",
+                      str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "20 measurements" in out and "decode_attention" in out
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["programs"] == ["decode_1x1p"] and rep["measured"] == 20
+    # the whole linked program, default vs replayed knobs, measured as the runtime runs it
+    from edgetvm.tune.cli import program_cycles
+    (ph,) = rep["phases"]
+    assert ph["program"] == "decode_1x1p" and "whole program" in out
+    plain = ModelCompiler(LLAMA, max_tokens=16, max_rows=8)
+    assert ph["default_cycles"] == program_cycles(plain, ("decode", 1, 1))
+    replayed = ModelCompiler(LLAMA, max_tokens=16, max_rows=8, knobs_for=Replay(
+        d, log_context(LLAMA, plain.spec, None, None)))
+    assert ph["tuned_cycles"] == program_cycles(replayed, ("decode", 1, 1))
+    assert tune_main([LLAMA, "--trials", "5", "--phases", "nope", "--buckets", "8",
+                      "--max-tokens", "16", "--log", d, "-q"]) == 1
+    assert "no program 'nope'" in capsys.readouterr().err
+    assert tune_main([str(tmp_path / "missing.onnx"), "--trials", "5", "--log", d]) == 1
+    with pytest.raises(SystemExit):
+        tune_main([LLAMA, "--trials", "5", "--rpc-tracker", "nohost", "--log", d])
+    assert "HOST:PORT" in capsys.readouterr().err
+
+
+def test_parallel_workers_measure_what_one_process_measures(tmp_path, mc):
+    d = str(tmp_path / "log")
+    rep = tune(LLAMA, buckets=(8,), max_tokens=16, phases=["decode"], trials=24, log_dir=d,
+               workers=2, progress=False, seed=5)
+    assert rep["measured"] == 24
+    recs = [r for r in TuningLog(d).records() if r.status == OK]
+    mc1 = ModelCompiler(LLAMA, max_tokens=16, max_rows=8)
+    tasks = {t.workload: t for t in extract_tasks(mc1, [("decode", 1, 1)])}
+    emu = Emulator(mc1.spec)
+    for r in recs[-10:]:
+        t = tasks[r.workload]
+        k = mc1.kernels.kernel(t.graph, list(t.group), knobs=r.knobs)
+        assert measure_kernel(k, t.graph, mc1.spec, mc1.layout, emu).total_cycles == r.cycles
+    assert REJECTED not in {r.status for r in recs}
+
+
+def test_a_measurement_past_the_timeout_is_a_failure_and_the_pool_recovers(mc):
+    from edgetvm.tune.measure import ForkMeasurer
+    tasks = extract_tasks(mc, [("decode", 1, 1)])
+    t = [t for t in tasks if t.name.count("+") == 3][0]
+    fm = ForkMeasurer(mc, tasks, "performance", 1, timeout=1e-4)   # nothing is that fast
+    try:
+        ((res, _),) = fm.measure(t, [t.default_knobs])
+        assert isinstance(res, TimeoutError) and fm.pool is None
+        fm.timeout = 120
+        (res, _), (rej, _) = fm.measure(t, [t.default_knobs, {"tile_m": 1, "bogus": 3}])
+        k = mc.kernels.kernel(t.graph, list(t.group))
+        assert res.cycles == measure_kernel(k, t.graph, mc.spec, mc.layout,
+                                            Emulator(mc.spec)).total_cycles
+        assert isinstance(rej, CandidateRejected) and "bogus" in str(rej)
+    finally:
+        fm.close()

@@ -1,0 +1,160 @@
+"""The tuning log: durable one-line records, concurrent appenders, torn lines, kill -9,
+context-keyed lookup and refusals that name the key that differs."""
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from edgetvm.tune.log import (FAILED, OK, REJECTED, LogContext, Record, Replay, TuningLog,
+                              TuningLogError, canonical_knobs, workload_hash)
+
+CTX = LogContext("m" * 64, "spechash", "performance", "none", "0.1.0", 3)
+
+
+def rec(i, cycles=100, ctx=CTX, workload="w0", status=OK, knobs=None):
+    return Record(ctx, workload, "cluster", f"k{i}", knobs or {"tile_m": i},
+                  status, cycles=cycles if status == OK else None,
+                  error=None if status == OK else "boom")
+
+
+def test_records_round_trip_one_line_each(tmp_path):
+    with TuningLog(str(tmp_path / "log")) as tl:
+        tl.append(rec(1, 50))
+        tl.append(rec(2, status=FAILED))
+        tl.append(rec(3, status=REJECTED))
+    raw = (tmp_path / "log" / "records.jsonl").read_bytes()
+    assert raw.count(b"\n") == 3 and raw.endswith(b"\n")
+    got = TuningLog(str(tmp_path / "log")).records()
+    assert [(r.name, r.status, r.cycles, r.knobs) for r in got] == \
+        [("k1", OK, 50, {"tile_m": 1}), ("k2", FAILED, None, {"tile_m": 2}),
+         ("k3", REJECTED, None, {"tile_m": 3})]
+    assert got[0].context == CTX and got[1].error == "boom"
+
+
+def test_best_per_workload_ignores_failures_and_breaks_ties_by_knobs():
+    records = [rec(1, 90), rec(2, 80), rec(3, 80), rec(4, 10, status=FAILED),
+               rec(5, 70, workload="w1"), rec(6, 60, workload="w1", status=REJECTED)]
+    best = TuningLog.best(records)
+    assert best["w0"].cycles == 80 and best["w0"].knobs == {"tile_m": 2}
+    assert best["w1"].cycles == 70
+    # the choice does not depend on the order of the log
+    assert TuningLog.best(records[::-1])["w0"].knobs == {"tile_m": 2}
+
+
+def test_torn_last_line_is_skipped_with_a_warning_and_the_next_writer_ends_it(tmp_path, caplog):
+    d = str(tmp_path / "log")
+    with TuningLog(d) as tl:
+        for i in range(3):
+            tl.append(rec(i))
+    line = rec(9).to_json().encode()
+    with open(os.path.join(d, "records.jsonl"), "ab") as f:
+        f.write(line[:len(line) // 2])            # a kill in the middle of a write
+    with caplog.at_level(logging.WARNING, logger="edgetvm"):
+        tl = TuningLog(d)
+        got = tl.records()
+    assert [r.name for r in got] == ["k0", "k1", "k2"] and tl.skipped == 1
+    assert "torn" in caplog.text
+    with TuningLog(d) as tl:                      # resumes appending after the torn line
+        tl.append(rec(4))
+    got = TuningLog(d).records()
+    assert [r.name for r in got] == ["k0", "k1", "k2", "k4"]
+
+
+def test_a_damaged_line_in_the_middle_does_not_abort_the_load(tmp_path, caplog):
+    d = tmp_path / "log"
+    d.mkdir()
+    good = [rec(i).to_json() for i in range(3)]
+    bad = json.dumps({"v": 1, "status": "ok"})          # parses, but is no record
+    (d / "records.jsonl").write_text("\n".join([good[0], "{not json", good[1], bad,
+                                                good[2]]) + "\n")
+    with caplog.at_level(logging.WARNING, logger="edgetvm"):
+        tl = TuningLog(str(d))
+        assert [r.name for r in tl.records()] == ["k0", "k1", "k2"]
+    assert tl.skipped == 2 and "unreadable" in caplog.text
+
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    from edgetvm.tune.log import LogContext, Record, TuningLog
+    ctx = LogContext("m" * 64, "spechash", "performance", "none", "0.1.0", 3)
+    who, n = sys.argv[2], int(sys.argv[3])
+    with TuningLog(sys.argv[1]) as tl:
+        print("ready", flush=True)
+        i = 0
+        while n < 0 or i < n:
+            tl.append(Record(ctx, "w", "cluster", who, {"seq": i, "pad": "x" * (i % 50)},
+                             "ok", cycles=i + 1))
+            i += 1
+""")
+
+
+def _writer(tmp_path, d, who, n):
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    return subprocess.Popen([sys.executable, str(script), d, who, str(n)],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_two_processes_appending_to_one_log_lose_nothing(tmp_path):
+    d = str(tmp_path / "log")
+    n = 300
+    procs = [_writer(tmp_path, d, who, n) for who in ("a", "b")]
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    tl = TuningLog(d)
+    got = tl.records()
+    assert tl.skipped == 0
+    for who in ("a", "b"):
+        assert sorted(r.knobs["seq"] for r in got if r.name == who) == list(range(n))
+    assert len(got) == 2 * n
+
+
+def test_kill_9_mid_tuning_loses_no_record_and_duplicates_none(tmp_path):
+    d = str(tmp_path / "log")
+    p = _writer(tmp_path, d, "a", -1)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.7)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    got = TuningLog(d).records()
+    seqs = [r.knobs["seq"] for r in got]
+    assert len(seqs) > 10
+    assert seqs == list(range(len(seqs)))        # in order, none lost, none twice
+
+
+def test_context_mismatch_is_refused_naming_the_key(tmp_path):
+    d = str(tmp_path / "log")
+    with TuningLog(d) as tl:
+        tl.append(rec(1, 50, workload=workload_hash("K")))
+    for field, value in (("spec", "otherspec"), ("profile", "balanced"),
+                         ("quantization", '{"group_size": 32}'), ("edgetvm", "0.2.0"),
+                         ("emulator", 4), ("model", "f" * 64)):
+        other = LogContext(**{**CTX.as_dict(), field: value})
+        with pytest.raises(TuningLogError) as e:
+            Replay(d, other)
+        msg = str(e.value)
+        assert f"{field} is {value!r} here" in msg
+        assert [k for k in ("model", "spec", "profile", "quantization", "edgetvm", "emulator")
+                if f"{k} is" in msg] == [field]
+    r = Replay(d, CTX)
+    assert r("K") == {"tile_m": 1} and r("other kernel") is None
+    assert r.summary()["kernels_tuned"] == 1
+
+
+def test_a_missing_or_empty_log_is_refused(tmp_path):
+    with pytest.raises(TuningLogError, match="no such tuning log"):
+        Replay(str(tmp_path / "nope"), CTX)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TuningLogError, match="no tuning records"):
+        Replay(str(tmp_path / "empty"), CTX)
+
+
+def test_canonical_knobs_is_order_independent():
+    assert canonical_knobs({"b": 1, "a": {"y": 2, "x": 1}}) == \
+        canonical_knobs({"a": {"x": 1, "y": 2}, "b": 1})

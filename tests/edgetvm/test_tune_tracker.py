@@ -1,0 +1,51 @@
+"""Measuring on emulator servers behind a TVM RPC tracker: the same cycles as a local
+measurement, spread over the servers; a lost server is a failed trial."""
+import pathlib
+
+import pytest
+from rpc_helpers import (KEY, expect_listening, free_port, start_server, start_tracker, stop,
+                         wait_for_free_servers)
+
+from edgetvm.build.compiler import ModelCompiler
+from edgetvm.target.emulator import Emulator
+from edgetvm.tune.cli import tune
+from edgetvm.tune.log import OK, TuningLog
+from edgetvm.tune.tasks import extract_tasks, measure_kernel
+
+LLAMA = str(pathlib.Path(__file__).resolve().parents[1] / "data" / "llama_tiny_with_past.onnx")
+
+
+@pytest.fixture(scope="module")
+def tracker():
+    tport, ports = free_port(), [free_port(), free_port()]
+    procs = []
+    try:
+        procs.append(start_tracker(tport))
+        servers = [start_server(p, "--tracker", f"127.0.0.1:{tport}") for p in ports]
+        procs += servers
+        for p, proc in zip(ports, servers):
+            expect_listening(proc, p)
+        wait_for_free_servers(tport, 2)
+        yield tport
+    finally:
+        stop(procs)
+
+
+@pytest.mark.parametrize("profile", ["performance", "low-battery"])
+def test_tracker_measures_what_a_local_run_measures(tracker, tmp_path, profile):
+    d = str(tmp_path / "log")
+    rep = tune(LLAMA, buckets=(16,), max_tokens=64, phases=["prefill_16x4p", "decode_1x4p"],
+               trials=24, log_dir=d, rpc_tracker=f"127.0.0.1:{tracker}", rpc_key=KEY,
+               profile=profile, progress=False, seed=2)
+    assert rep["measured"] == 24
+    recs = [r for r in TuningLog(d).records() if r.status == OK]
+    assert len(recs) == 24
+    mc = ModelCompiler(LLAMA, max_tokens=64, max_rows=16, profile=profile)
+    tasks = {t.workload: t for t in extract_tasks(mc, [("prefill", 16, 4), ("decode", 1, 4)])}
+    emu = Emulator(mc.spec, profile)
+    for r in recs:
+        t = tasks[r.workload]
+        k = mc.kernels.kernel(t.graph, list(t.group), knobs=r.knobs)
+        c = measure_kernel(k, t.graph, mc.spec, mc.layout, emu)
+        assert (r.cycles, r.dram_bytes) == \
+            (c.total_cycles, c.dram_read_bytes + c.dram_write_bytes), r.name
