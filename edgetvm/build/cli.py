@@ -126,22 +126,9 @@ def _describe_quantize(q):
             "keep_fp16": list(q.keep_fp16), "scale_rule": q.scale_rule}
 
 
-class _NoBar:
-    def set_description(self, _):
-        pass
-
-    def update(self, _):
-        pass
-
-    def close(self):
-        pass
-
-
 def _progress(total: int, on: bool):
-    if not on:
-        return _NoBar()
     from tqdm import tqdm
-    return tqdm(total=total, unit="program", file=sys.stderr)
+    return tqdm(total=total, unit="program", file=sys.stderr, disable=not on)
 
 
 def _layer_names(text: str) -> tuple:
@@ -154,6 +141,18 @@ def _layer_names(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"--keep-fp16: unknown layer(s) {', '.join(unknown)}; "
                                          f"known: {', '.join(KEEP_FP16_LAYERS)}")
     return names
+
+
+def add_target_options(ap, buckets_default=DEFAULT_BUCKETS) -> None:
+    """``--target``, ``--profile`` and the prefill programs (``--buckets`` / ``--chunk``) of
+    a build (``edgetvm.build``, ``edgetvm.tune``)."""
+    ap.add_argument("--target", default="edge-npu-16mb", help="NPU preset or spec JSON")
+    ap.add_argument("--profile", default=None, help="power profile (default: the spec's)")
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--buckets", type=_ints, default=buckets_default, metavar="R1,R2,...",
+                       help="prefill length buckets (default 16,32,64,128,256,512)")
+    group.add_argument("--chunk", type=int, default=None, metavar="C",
+                       help="chunked prefill: one C-row prefill program per KV capacity")
 
 
 def add_build_options(ap, run: bool = False) -> None:
@@ -183,6 +182,17 @@ def add_build_options(ap, run: bool = False) -> None:
                          "table and a tied lm_head that is that table)")
 
 
+def parse_build_args(ap, argv):
+    """Add ``-q`` / ``-v``, parse, set up logging and check the build options."""
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(message)s")
+    check_build_options(ap, args)
+    return args
+
+
 def check_build_options(ap, args) -> None:
     if args.chunk is not None and args.chunk < 1:
         ap.error("--chunk must be >= 1")
@@ -206,22 +216,11 @@ def main(argv=None) -> int:
                                  description=" ".join(__doc__.split()))
     ap.add_argument("model", help="ONNX file (text-generation-with-past export)")
     ap.add_argument("-o", "--output", required=True, help="the artifact to write (model.npu)")
-    ap.add_argument("--target", default="edge-npu-16mb", help="NPU preset or spec JSON")
-    ap.add_argument("--profile", default=None, help="power profile (default: the spec's)")
-    group = ap.add_mutually_exclusive_group()
-    group.add_argument("--buckets", type=_ints, default=DEFAULT_BUCKETS, metavar="R1,R2,...",
-                       help="prefill length buckets (default 16,32,64,128,256,512)")
-    group.add_argument("--chunk", type=int, default=None, metavar="C",
-                       help="chunked prefill: one C-row prefill program per KV capacity")
+    add_target_options(ap)
     add_build_options(ap)
     ap.add_argument("--log", default=None, metavar="DIR",
                     help="replay the best knobs of this tuning log (python -m edgetvm.tune)")
-    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(message)s")
-    check_build_options(ap, args)
+    args = parse_build_args(ap, argv)
     try:
         m = build(args.model, args.output, target=args.target, profile=args.profile,
                   strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,

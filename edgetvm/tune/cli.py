@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
@@ -122,7 +121,7 @@ def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
 
 
 def main(argv=None) -> int:
-    from edgetvm.build.cli import (_ints, add_build_options, check_build_options,
+    from edgetvm.build.cli import (add_build_options, add_target_options, parse_build_args,
                                    quantizer_of)
 
     from .tuner import format_report
@@ -131,13 +130,7 @@ def main(argv=None) -> int:
                                  description=" ".join(__doc__.split()))
     ap.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                     help="ONNX file (default: the bundled example)")
-    ap.add_argument("--target", default="edge-npu-16mb", help="NPU preset or spec JSON")
-    ap.add_argument("--profile", default=None, help="power profile (default: the spec's)")
-    group = ap.add_mutually_exclusive_group()
-    group.add_argument("--buckets", type=_ints, default=None, metavar="R1,R2,...",
-                       help="prefill length buckets (default 16,32,64,128,256,512)")
-    group.add_argument("--chunk", type=int, default=None, metavar="C",
-                       help="chunked prefill: one C-row prefill program per KV capacity")
+    add_target_options(ap, buckets_default=None)
     add_build_options(ap)
     budget = ap.add_mutually_exclusive_group(required=True)
     budget.add_argument("--trials", type=int, default=None, metavar="N",
@@ -167,12 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-validate", action="store_true",
                     help="skip measuring the whole phase programs, default vs tuned")
     ap.add_argument("--report-json", default=None, metavar="F")
-    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(message)s")
-    check_build_options(ap, args)
+    args = parse_build_args(ap, argv)
     if args.trials is not None and args.trials < 1:
         ap.error("--trials must be >= 1")
     if args.time_budget is not None and args.time_budget <= 0:

@@ -273,22 +273,9 @@ class Tuner:
                     step_cycles_tuned=self.step_cycles(), log=self.log.path)
 
 
-class _NoBar:
-    def update(self, _):
-        pass
-
-    def set_postfix_str(self, _):
-        pass
-
-    def close(self):
-        pass
-
-
 def _bar(total, on: bool):
-    if not on:
-        return _NoBar()
     from tqdm import tqdm
-    return tqdm(total=total, unit="trial", file=sys.stderr, desc="tuning")
+    return tqdm(total=total, unit="trial", file=sys.stderr, desc="tuning", disable=not on)
 
 
 def format_report(rep: dict) -> str:
