@@ -10,7 +10,9 @@ one static program per case and run on the emulator under each power profile:
 
 at prefill 128, prefill 512 (from position 0) and decode at KV 1024 (1,024 cached tokens,
 1 new). Per row: DRAM bytes, latency, energy, peak windowed power, throttled cycles, the
-number of clusters (kernels), and latency relative to ``op-library`` in the same case.
+number of clusters (kernels), and latency relative to ``op-library`` in the same case; a
+model decode row also gives its latency against the bandwidth roofline (the bytes a step
+must move: every weight, one embedding row, the KV read and the new K/V written).
 Every strategy uses the same default (untuned) knobs per kernel; ``edgellm`` chooses its
 cut points from emulator measurements of candidate clusters (edgetvm/build/search.py).
 
@@ -160,11 +162,28 @@ class Bench:
         if scope == "model":
             logits = np.asarray(res.outputs["logits"], np.float32).reshape(-1, vocab)[-1]
             row.update(self.check(ids, cached, past, logits))
+        if scope == "model" and phase == "decode":
+            row["bandwidth_roofline_ratio"] = c.total_cycles / self.decode_roofline(
+                program, g, cached)
         row.update(dram_bytes=int(c.dram_read_bytes + c.dram_write_bytes),
                    cycles=int(c.total_cycles), latency_us=float(c.time_us),
                    energy_uj=float(c.energy_uj), peak_power_mw=float(c.peak_power_mw),
                    throttled_cycles=int(c.throttled_cycles), launches=int(c.launches))
         return row
+
+    def decode_roofline(self, program, graph, cached) -> float:
+        """Cycles to move the bytes a decode step must move, over the DRAM bandwidth:
+        every weight (of the embedding table one row), the KV cache read and the new
+        token's K/V written."""
+        emb = [op.inputs["E"].tensor for op in graph.ops if op.kind == "embedding"]
+        must = 0
+        for t in program.tensors.values():
+            if t.kind != "const" or t.name.startswith("table."):
+                continue
+            must += t.nbytes // t.shape[0] if t.name in emb else t.nbytes
+        kv = graph.layers * 2 * graph.kv_heads * graph.head_dim * 2
+        must += kv * (cached + 1) + kv
+        return must / self.mc.spec.dram_bytes_per_cycle
 
     def upload(self, emu, kv, past) -> None:
         """Host -> device copy of onnxruntime's past into the pages (set-up, not measured):
@@ -259,6 +278,10 @@ def main(argv=None) -> int:
                       flush=True)
     print()
     print_table(rows)
+    for r in rows:
+        if "bandwidth_roofline_ratio" in r:
+            print(f"{r['case']} {r['profile']} {r['strategy']}: "
+                  f"{r['bandwidth_roofline_ratio']:.3f}x the bandwidth roofline")
     wrong = [r for r in rows if r.get("numerics_ok") is False]
     if args.json:
         write_json(args.json, {"benchmark": "strategies", "model": str(model),
