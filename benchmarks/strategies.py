@@ -42,6 +42,7 @@ import numpy as np
 
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.generate import KVSpec, feeds_for, onnxruntime_runner
+from edgetvm.kv_state import capacity_bucket
 from edgetvm.relax_passes.partition import STRATEGIES
 from edgetvm.run import DEFAULT_ATOL, DEFAULT_RTOL
 from edgetvm.target.emulator import Emulator
@@ -62,13 +63,6 @@ def find_model() -> Path | None:
         if folder and (Path(folder) / "optimum_with_past/model.onnx").is_file():
             return Path(folder) / "optimum_with_past/model.onnx"
     return None
-
-
-def _pages(tokens: int, page_tokens: int) -> int:
-    p = 1
-    while p * page_tokens < tokens:
-        p *= 2
-    return p
 
 
 def layer_slice(graph):
@@ -137,7 +131,7 @@ class Bench:
 
     def run(self, scope, case, strategy, profile) -> dict:
         name, phase, rows, cached = case
-        pages = _pages(cached + rows, self.mc.page_tokens)
+        pages = capacity_bucket(-(-(cached + rows) // self.mc.page_tokens))
         program, clusters, build_s, measured = self.programs(scope, phase, rows, pages,
                                                              strategy, profile)
         g = self.mc.graph(phase, rows, pages)

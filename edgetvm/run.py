@@ -73,8 +73,9 @@ def cache_dir() -> str:
                                                            "edgetvm")
 
 
-def cached_build(args) -> str:
-    """Build ``args.model`` into the cache unless an identical build is there; the path."""
+def cached_build(args):
+    """Build ``args.model`` into the cache unless an identical build is there; the loaded
+    artifact."""
     from edgetvm import __version__
     from edgetvm.build.cli import DEFAULT_BUCKETS, build, compiler_fingerprint, file_sha256
     from edgetvm.runtime.artifact import load_artifact
@@ -91,28 +92,27 @@ def cached_build(args) -> str:
     path = os.path.join(cache_dir(), f"{os.path.basename(args.model)}.{digest}.npu")
     if os.path.exists(path):
         try:
-            load_artifact(path)
+            art = load_artifact(path)
         except EdgeTVMError as e:
             print(f"the build in {path} does not load ({e}); rebuilding it", flush=True)
         else:
             print(f"using the build in {path}", flush=True)
-            return path
+            return art
     os.makedirs(cache_dir(), exist_ok=True)
     print(f"building {args.model} for {spec.name} into {path} ...", flush=True)
     build(args.model, path, target=spec, profile=args.profile, strategy=args.strategy,
           chunk=args.chunk, quantize=quantizer_of(args), max_tokens=args.max_tokens,
           progress=not args.quiet)
-    return path
+    return load_artifact(path)
 
 
-def run_artifact(path: str, args) -> list:
-    """Generate with the model.npu at ``path``; prints the step table; the records."""
+def run_artifact(art, args) -> list:
+    """Generate with the loaded model.npu ``art``; prints the step table; the records."""
     from edgetvm.runner import connect
-    from edgetvm.runtime.artifact import load_artifact
     from edgetvm.runtime.model import ModelRunner
     from edgetvm.target.spec import load_spec
 
-    art = load_artifact(path)
+    path = art.path
     m = art.manifest
     spec = load_spec(args.target or m["target"]["name"])
     if spec.hash() != m["target"]["hash"]:
@@ -193,7 +193,12 @@ def main(argv=None) -> int:
         if args.reference:
             recs = run_reference(args)
         else:
-            recs = run_artifact(args.model if is_artifact else cached_build(args), args)
+            if is_artifact:
+                from edgetvm.runtime.artifact import load_artifact
+                art = load_artifact(args.model)
+            else:
+                art = cached_build(args)
+            recs = run_artifact(art, args)
         return _report(recs, args)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ from collections import Counter
 
 
 from edgetvm.frontend import import_onnx
+from edgetvm.kv_state import capacity_bucket
 from edgetvm.npu_regions import offloadable, unsound_offloads
 from edgetvm.offload import offload_regions
 from edgetvm.relax_passes import AnnotateLLMSemantics, QuantizeW4A16
@@ -67,7 +68,8 @@ class ModelCompiler:
                                                  prune=unsound_offloads)
         log.info("front end: %d regions on the NPU %s in %.1fs", len(self.regions),
                  dict(Counter(r.kind for r in self.regions)), time.time() - t0)
-        self.max_tokens = resolve_max_tokens(max_tokens, position_limit(self.mod, self.regions))
+        self.position_limit = position_limit(self.mod, self.regions)
+        self.max_tokens = resolve_max_tokens(max_tokens, self.position_limit)
         self._tables: dict = {}
         self._checked_masks: set = set()
         self._graphs: dict = {}
@@ -97,7 +99,7 @@ class ModelCompiler:
                           g.kv_heads, g.head_dim, g.layers, todo)
             self._tables.update(evaluate_positions(self.mod, self.regions, [sub], new_masks,
                                                    self.max_tokens + self.max_rows,
-                                                   addressed=self.max_tokens))
+                                                   limit=self.position_limit))
             self._checked_masks |= {_mask_key(m) for m, _ in new_masks}
         for name in g.position_tables:
             t = g.tensors[name]
@@ -124,8 +126,7 @@ class ModelCompiler:
         profile = self.spec.profile(profile or self.profile).name
         if profile not in self._searches:
             self._searches[profile] = SegmentSearch(self.kernels, self.spec, profile,
-                                                    link=self.link,
-                                                    page_tokens=self.page_tokens)
+                                                    link=self.link)
         return self._searches[profile]
 
     def partition(self, graph, strategy: str | None = None, profile: str | None = None):
@@ -172,14 +173,14 @@ class ModelCompiler:
         bucket from position 0, and the largest bucket at every KV capacity (a prompt
         longer than it runs as chunks of it, which may start anywhere; ``chunked``: the
         one chunk size), decode per power-of-two KV capacity."""
-        top = _pow2(self.num_pages)
+        top = capacity_bucket(self.num_pages)
         keys = []
         rows = sorted(set(rows))
         if rows[-1] > self.max_tokens:
             raise BuildError(f"a {rows[-1]}-row bucket does not fit a KV cache of "
                              f"{self.max_tokens} tokens")
         for r in rows:
-            p = _pow2(-(-r // PAGE_TOKENS))
+            p = capacity_bucket(-(-r // PAGE_TOKENS))
             keys.append(("prefill", r, p))
             while (chunked or r == rows[-1]) and p < top:
                 p *= 2
@@ -219,11 +220,6 @@ def _mask_key(m):
     return handle() if handle is not None else id(m)
 
 
-def _pow2(n: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return b
 
 
 

@@ -191,7 +191,6 @@ class Linker:
         self.tcm_high = 0
         self.params: list = []
         self._prev = None                # (TCM base, footprint) of the previous kernel
-        self.prefetched_bytes = 0
 
     def _tcm_base(self, footprint: int):
         """Where this kernel's TCM goes, and whether it may be prefetched."""
@@ -246,7 +245,6 @@ class Linker:
                 out.append(cmd)
         for c in hoisted:                 # still the previous kernel's stretch of time
             self.builder.emit(c)
-            self.prefetched_bytes += c.dst.nbytes
         self.builder.emit(Launch(name=kernel.name, carry=tuple(c.dst for c in hoisted)))
         for c in body:
             self.builder.emit(c)

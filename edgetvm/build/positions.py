@@ -56,13 +56,7 @@ class PositionFunction:
         keep.reverse()
         bb = relax.BlockBuilder(mod.clone())    # with the module's other functions
         bindings = []
-        #: positions the code can address: a lookup into a constant table (a learned
-        #: position embedding) of this many rows; past it the lookup reads out of bounds
-        self.max_positions = None
         for var, value in keep:
-            rows = _lookup_rows(value, by_symbol)
-            if rows is not None:
-                self.max_positions = min(rows, self.max_positions or rows)
             if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and \
                     value.op.name == "relax.call_pure_packed":
                 region = by_symbol[str(value.args[0].global_symbol)]
@@ -166,15 +160,15 @@ def _concrete(ty, dims: dict, what: str) -> tuple:
 
 
 def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
-                       addressed: int | None = None) -> dict:
+                       limit: int | None = None) -> dict:
     """Fill the position tables of ``graphs`` (``PhaseGraph.position_tables``) with rows for
     ``positions`` positions and check the attention ``masks`` (as returned by
     ``extract_phase_graph``); returns table name -> data (positions, width) float16.
 
-    ``addressed``: the positions a sequence may reach (the KV capacity); a model whose
-    position code looks positions up in a shorter table (GPT-2's learned positions) is
-    refused. Rows past that table (the padding rows of a bucket that ends past it) are
-    zero, never a lookup out of bounds."""
+    ``limit``: the positions the model can address (:func:`position_limit`); rows past it
+    (the padding rows of a bucket that ends past a learned position table) are zero, never
+    a lookup out of bounds. A KV capacity beyond it is refused before this
+    (``compiler.resolve_max_tokens``)."""
     tables = {}
     for g in graphs:
         tables.update(g.position_tables)
@@ -190,11 +184,6 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
     if not targets:
         return {}
     fn = PositionFunction(mod, regions, targets)
-    limit = fn.max_positions
-    if limit is not None and addressed is not None and addressed > limit:
-        raise BuildError(f"the model looks positions up in a table of {limit} rows; a KV "
-                         f"cache of {addressed} tokens would read past it (build with "
-                         f"--max-tokens {limit} or less)")
     valid = positions if limit is None else min(positions, limit)
     full = dict(zip(targets, fn(0, valid)))
     data = {}

@@ -7,12 +7,10 @@ so a cluster may span the end of one layer and the start of the next):
 
 where ``ops[i:j]`` is a candidate cluster when its ops may share a kernel
 (:func:`~edgetvm.relax_passes.partition.can_join`) and its kernel fits the TCM, and
-``cycles`` is *measured*: the candidate's kernel, relocated onto the phase's tensors as
-the linker would place it (so strided views pay their DMA bursts) and run alone on the
-emulator under the power profile, DVFS throttling included, in steady state (run twice
-back to back on one timeline, the second run counted, so its power windows see a busy
-device rather than an idle one). The power budget enters that way: a cluster whose power
-the governor has to throttle is charged the cycles it loses.
+``cycles`` is *measured* as :mod:`edgetvm.build.measure` measures a kernel: relocated
+onto the phase's tensors (so strided views pay their DMA bursts), alone, in steady state
+under the power profile, DVFS throttling included. The power budget enters that way: a
+cluster whose power the governor has to throttle is charged the cycles it loses.
 
 Measurements are cached by the kernel's structure and the layout of its operands, so the
 30 layers of a model cost one measurement per distinct candidate. Ops that are kernels of
@@ -24,13 +22,12 @@ and the largest-fit one are linked and run whole, and the faster is kept.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from edgetvm.relax_passes.partition import can_join
 from edgetvm.target.emulator import Emulator
 
 from .graph import BuildError
-from .link import Linker, plan_dram
+from .measure import measure_kernel, measure_program
 
 log = logging.getLogger("edgetvm")
 
@@ -38,30 +35,20 @@ log = logging.getLogger("edgetvm")
 MAX_CLUSTER_OPS = 16
 
 
-@dataclass
-class Measured:
-    cycles: int
-    peak_power_mw: float
-    dram_bytes: int
-
-
 class SegmentSearch:
     """Measures candidate clusters of one compiler's phases and solves the cut-point DP."""
 
     def __init__(self, kernels, spec, profile=None, max_ops: int = MAX_CLUSTER_OPS,
-                 link=None, page_tokens: int = 16):
+                 link=None):
         self.kernels, self.spec = kernels, spec
-        self.profile = profile
         self.emulator = Emulator(spec, profile)
         self.max_ops = max_ops
         self.link = link                  # (graph, groups, name) -> Program, or None
-        self.page_tokens = page_tokens
         self._measured: dict = {}
         self.measurements = 0
-        self.whole_runs = 0
 
     def measure(self, graph, group, consumers):
-        """The candidate's measured cost, or None when it does not lower (TCM)."""
+        """The candidate's measured cycles, or None when it does not lower (TCM)."""
         try:
             k = self.kernels.kernel(graph, list(group), consumers)
         except BuildError:
@@ -70,16 +57,8 @@ class SegmentSearch:
                                    for n, v in k.bindings.items())))
         hit = self._measured.get(key)
         if hit is None:
-            plan = plan_dram(graph, [k], self.spec.dram_burst_bytes)
-            linker = Linker(graph, plan, self.spec, f"candidate_{k.name}", prefetch=False)
-            linker.add(k)
-            program = linker.build()
-            params = {p: 0 for p in program.params}
-            clock = self.emulator.timeline()      # steady state: the power windows of
-            clock.run(program, {}, params)        # a kernel that runs among its like
-            c = clock.run(program, {}, params).counters
-            hit = self._measured[key] = Measured(c.total_cycles, c.peak_power_mw,
-                                                 c.dram_read_bytes + c.dram_write_bytes)
+            hit = self._measured[key] = measure_kernel(
+                k, graph, self.spec, self.kernels.layout, self.emulator).total_cycles
             self.measurements += 1
         return hit
 
@@ -104,27 +83,11 @@ class SegmentSearch:
         return best if cycles["dp"] <= cycles["mega"] else other
 
     def run_whole(self, graph, groups) -> int:
-        """Cycles of the linked program of ``groups``, run once at the bucket's full
-        length on a zero KV cache (timing does not depend on the values)."""
-        from edgetvm.runtime.model import ModelInfo, ModelRunner
-
+        """Cycles of the linked program of ``groups``, run once at the bucket's worst case
+        on a zero KV cache (timing does not depend on the values)."""
         program = self.link(graph, groups, f"edgellm_{graph.phase}_{graph.rows}x{graph.pages}p")
-        pt = self.page_tokens
-        # the bucket's capacity, within the cache the state tensors hold
-        tokens = min(graph.pages, self.kernels.layout.num_pages) * pt
-        key = (graph.phase, graph.rows, graph.pages)
-        other = ("decode", 1, 1) if graph.phase == "prefill" else ("prefill", graph.rows, 1)
-        info = ModelInfo(graph.layers, graph.kv_heads, graph.head_dim, pt, tokens,
-                         int(graph.tensors[graph.logits].shape[-1]))
-        model = ModelRunner({key: program}, [key, other], info, None)
-        if graph.phase == "decode":
-            pos, ids = tokens - 1, [0]
-        else:
-            pos, ids = max(0, (tokens - graph.rows) // pt * pt), [0] * graph.rows
-        model.kv.reserve(0, pos)
-        params = model.params_for(program, key, ids, pos)
-        self.whole_runs += 1
-        return Emulator(self.spec, self.profile).run(program, {}, params).counters.total_cycles
+        return measure_program(program, graph, self.kernels.layout,
+                               self.emulator).total_cycles
 
     def cut_points(self, graph) -> list:
         """The exact DP over cut points (measured clusters, summed)."""
@@ -151,7 +114,7 @@ class SegmentSearch:
                     if len(group) == 1:
                         raise BuildError(f"op {ops[j].name} does not lower on its own")
                     break
-                cost = best[i] + m.cycles
+                cost = best[i] + m
                 if cost < best[j + 1]:
                     best[j + 1], cut[j + 1] = cost, i
         groups = []

@@ -95,13 +95,11 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
 def program_cycles(mc, key) -> int:
     """Measured cycles of the whole linked phase program ``key`` of compiler ``mc`` (its
     kernels with cross-kernel prefetch, at the bucket's full KV capacity)."""
+    from edgetvm.build.measure import measure_program
     from edgetvm.target.emulator import Emulator
 
-    from .tasks import measurement_params
-    program, graph = mc.program(*key), mc.graph(*key)
-    emu = Emulator(mc.spec, mc.profile)
-    return emu.run(program, {}, measurement_params(program, graph, mc.layout)
-                   ).counters.total_cycles
+    return measure_program(mc.program(*key), mc.graph(*key), mc.layout,
+                           Emulator(mc.spec, mc.profile)).total_cycles
 
 
 def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,

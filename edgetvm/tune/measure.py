@@ -28,7 +28,7 @@ from edgetvm.build.graph import BuildError
 from edgetvm.errors import CandidateRejected
 from edgetvm.target.emulator import Emulator
 
-from .tasks import kernel_program, measurement_params, run_steady
+from edgetvm.build.measure import kernel_program, measurement_params, run_steady
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,4 @@
-"""Tuning tasks: the distinct kernels of a model's phase programs, their knob spaces, and
-how one candidate is measured.
+"""Tuning tasks: the distinct kernels of a model's phase programs and their knob spaces.
 
 A **task** is one structural kernel key (:attr:`~edgetvm.build.kernels.Kernel.key`): the
 30 layers of a model share one task per distinct cluster shape, and a shape that occurs
@@ -16,11 +15,8 @@ DMA split and, per matmul stage, its output and reduction tiles, weight and
 accumulator slots. Attention: query and KV tiles, KV and score slots. Embedding: row
 tile, output slots, DMA split. KV appends have no knobs and are not tasks.
 
-**Measurement** is :class:`~edgetvm.build.search.SegmentSearch`'s: the kernel relocated
-onto its phase tensors as the linker places it (strided views pay their DMA bursts),
-alone in a program, run twice back to back on one emulator timeline under the power
-profile (DVFS throttling charged) and the second run counted. Runtime parameters are
-those of the bucket's worst case: the KV cache full to the bucket's capacity.
+A candidate is measured as :mod:`edgetvm.build.measure` measures every kernel (the same
+method as ``edgellm``'s cut-point search).
 """
 from __future__ import annotations
 
@@ -35,7 +31,6 @@ from tvm import s_tir
 
 from edgetvm.build.graph import BuildError
 from edgetvm.build.kernels import cluster_matmuls, cluster_rows, stage_cluster
-from edgetvm.build.link import Linker, plan_dram
 from edgetvm.tir_schedules.attention import kv_tile_candidates
 from edgetvm.tir_schedules.common import tile_candidates
 from edgetvm.tir_schedules.fused import ROW_TILES, knob_names, schedule_cluster
@@ -224,48 +219,3 @@ def extract_tasks(mc, keys, strategy: str | None = None) -> list:
             t.count += 1
             t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
     return list(tasks.values())
-
-
-# -- measurement -------------------------------------------------------------------------
-def measurement_params(program, graph, layout) -> dict:
-    """Runtime parameters of a kernel program at the bucket's worst case: the KV cache
-    full to the bucket's capacity (pages 0, 1, ... in order), the new rows at its end."""
-    pt = layout.page_tokens
-    cap = graph.pages * pt
-    rows = graph.rows
-    pos = max(0, cap - rows)
-    table = list(range(layout.num_pages))
-    params = {f"ids.{i}": i for i in range(rows)}
-    params.update(pos=pos, valid_len=pos + rows, last_row=rows - 1)
-    params.update(layout.slot_params(table, pos, rows, rows))
-    params.update(layout.page_table_params(table, graph.pages))
-    params.update({f"dst_page.{i}": table[pos // pt + i] for i in range(max(1, rows // pt))
-                   if pos // pt + i < len(table)})
-    missing = [p for p in program.params if p not in params]
-    if missing:
-        raise BuildError(f"kernel program {program.name}: no measurement value for runtime "
-                         f"parameter(s) {missing}")
-    return {p: params[p] for p in program.params}
-
-
-def kernel_program(kernel, graph, spec, copies: int = 1):
-    """The kernel alone in a program (``copies`` times, back to back), relocated onto its
-    phase tensors."""
-    plan = plan_dram(graph, [kernel] * copies, spec.dram_burst_bytes)
-    linker = Linker(graph, plan, spec, f"candidate_{kernel.name}", prefetch=False)
-    for _ in range(copies):
-        linker.add(kernel)
-    return linker.build()
-
-
-def run_steady(emulator, program, params):
-    """Counters of the second of two back-to-back runs on one timeline."""
-    clock = emulator.timeline()
-    clock.run(program, {}, params)
-    return clock.run(program, {}, params).counters
-
-
-def measure_kernel(kernel, graph, spec, layout, emulator):
-    """The measured Counters of ``kernel`` (see the module docstring)."""
-    program = kernel_program(kernel, graph, spec)
-    return run_steady(emulator, program, measurement_params(program, graph, layout))

@@ -19,7 +19,8 @@ from edgetvm.tune.cli import log_context, select_keys, tune
 from edgetvm.tune.cli import main as tune_main
 from edgetvm.tune.cost_model import CostModel, features
 from edgetvm.tune.log import OK, REJECTED, Replay, TuningLog, canonical_knobs, workload_hash
-from edgetvm.tune.tasks import extract_tasks, measure_kernel
+from edgetvm.build.measure import measure_kernel
+from edgetvm.tune.tasks import extract_tasks
 from edgetvm.tune.tuner import Tuner
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"

@@ -10,7 +10,8 @@ from edgetvm.build.compiler import ModelCompiler
 from edgetvm.target.emulator import Emulator
 from edgetvm.tune.cli import tune
 from edgetvm.tune.log import OK, TuningLog
-from edgetvm.tune.tasks import extract_tasks, measure_kernel
+from edgetvm.build.measure import measure_kernel
+from edgetvm.tune.tasks import extract_tasks
 
 LLAMA = str(pathlib.Path(__file__).resolve().parents[1] / "data" / "llama_tiny_with_past.onnx")
 
