@@ -5,7 +5,8 @@ greedy decode, one whole-phase program per step, and print the tokens with each 
 emulated latency, DRAM traffic, energy and power. Nothing is compiled at run time.
 
 Given an ONNX file instead, ``run`` builds it first into a cache (``$EDGETVM_CACHE``,
-default ``~/.cache/edgetvm``; the same file and options reuse the build), or, with
+default ``~/.cache/edgetvm``; the same file and options reuse the build; ``--log DIR``
+replays a tuning log into that build, as ``edgetvm.build --log`` does), or, with
 ``--reference``, runs it region by region through the Relax VM (the reference path: every
 NPU region its own kernel and emulator run, the glue on the host).
 
@@ -87,7 +88,8 @@ def cached_build(args):
                "zero_points": args.zero_points, "keep_fp16": args.keep_fp16,
                "max_tokens": args.max_tokens, "buckets": list(DEFAULT_BUCKETS),
                "edgetvm": __version__, "compiler": compiler_fingerprint(),
-               "emulator_model": EMULATOR_MODEL_VERSION}
+               "emulator_model": EMULATOR_MODEL_VERSION,
+               "log": _log_digest(args.log)}
     digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:20]
     path = os.path.join(cache_dir(), f"{os.path.basename(args.model)}.{digest}.npu")
     if os.path.exists(path):
@@ -102,8 +104,21 @@ def cached_build(args):
     print(f"building {args.model} for {spec.name} into {path} ...", flush=True)
     build(args.model, path, target=spec, profile=args.profile, strategy=args.strategy,
           chunk=args.chunk, quantize=quantizer_of(args), max_tokens=args.max_tokens,
-          progress=not args.quiet)
+          progress=not args.quiet, log_dir=args.log)
     return load_artifact(path)
+
+
+def _log_digest(log_dir):
+    """SHA-256 of a tuning log's records (None without a log): a build replaying a log
+    that has grown since is not reused."""
+    if log_dir is None:
+        return None
+    from edgetvm.tune.log import LOG_FILE
+    path = os.path.join(log_dir, LOG_FILE)
+    if not os.path.isfile(path):
+        raise EdgeTVMError(f"{log_dir}: no such tuning log (no {LOG_FILE})")
+    from edgetvm.build.cli import file_sha256
+    return file_sha256(path)
 
 
 def run_artifact(art, args) -> list:
@@ -171,6 +186,8 @@ def main(argv=None) -> int:
                     help="chunked prefill with chunks of C tokens")
     build = ap.add_argument_group("building an ONNX file (ignored for model.npu)")
     add_build_options(build, run=True)
+    build.add_argument("--log", default=None, metavar="DIR",
+                       help="replay this tuning log's best knobs (python -m edgetvm.tune)")
     build.add_argument("--reference", action="store_true",
                        help="run the ONNX file region by region (Relax VM + one emulator run "
                             "per kernel) instead of building it")
@@ -185,8 +202,12 @@ def main(argv=None) -> int:
         ap.error("--reference runs an ONNX file")
     if is_artifact and args.check_onnx is True:
         ap.error("--check-onnx needs the ONNX file to compare a model.npu with")
-    if args.reference and (args.rpc or args.trace):
-        ap.error("--rpc and --trace run compiled models, not the --reference path")
+    if args.reference and (args.rpc or args.trace or args.log):
+        ap.error("--rpc, --trace and --log are for compiled models, not the --reference "
+                 "path")
+    if is_artifact and args.log:
+        ap.error("--log replays a tuning log while building an ONNX file; a model.npu "
+                 "is already built")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")
     try:

@@ -205,6 +205,11 @@ class Linker:
             return above, True
         return 0, False
 
+    def barrier(self) -> None:
+        """The next kernel starts as a program's first does: nothing of it is prefetched
+        under the kernel before (two chains linked as two back-to-back runs)."""
+        self._prev = None
+
     def add(self, kernel) -> None:
         prog = kernel.program
         local = self._bind(kernel)

@@ -85,21 +85,25 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
         tuned = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
                               strategy=strategy, max_rows=max(asked), profile=profile,
                               knobs_for=Replay(log_dir, ctx))
-        rep["phases"] = [dict(program=f"{p}_{r}x{g}p",
-                              default_cycles=program_cycles(mc, (p, r, g)),
-                              tuned_cycles=program_cycles(tuned, (p, r, g)))
-                         for p, r, g in keys]
+        rep["budget_mw"] = mc.spec.profile(mc.profile).budget_mw
+        rep["phases"] = []
+        for p, r, g in keys:
+            a, b = program_counters(mc, (p, r, g)), program_counters(tuned, (p, r, g))
+            rep["phases"].append(dict(
+                program=f"{p}_{r}x{g}p", default_cycles=a.total_cycles,
+                tuned_cycles=b.total_cycles, default_peak_mw=round(a.peak_power_mw, 1),
+                tuned_peak_mw=round(b.peak_power_mw, 1)))
     return rep
 
 
-def program_cycles(mc, key) -> int:
-    """Measured cycles of the whole linked phase program ``key`` of compiler ``mc`` (its
-    kernels with cross-kernel prefetch, at the bucket's full KV capacity)."""
+def program_counters(mc, key):
+    """The measured Counters of the whole linked phase program ``key`` of compiler ``mc``
+    (its kernels with cross-kernel prefetch, at the bucket's full KV capacity)."""
     from edgetvm.build.measure import measure_program
     from edgetvm.target.emulator import Emulator
 
     return measure_program(mc.program(*key), mc.graph(*key), mc.layout,
-                           Emulator(mc.spec, mc.profile)).total_cycles
+                           Emulator(mc.spec, mc.profile))
 
 
 def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,

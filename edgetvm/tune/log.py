@@ -47,12 +47,16 @@ log = logging.getLogger("edgetvm")
 
 LOG_FILE = "records.jsonl"
 DEFAULT_LOG_DIR = "tuning_logs"
-FORMAT_VERSION = 1
+#: 2: records carry ``neighbours`` (measured in context); 1 (kernels measured alone)
+#: still loads, as records of the context ``""``
+FORMAT_VERSION = 2
 
 #: the keys of a context, in the order a mismatch is reported
 CONTEXT_KEYS = ("model", "spec", "profile", "quantization", "edgetvm", "emulator")
 
-OK, REJECTED, FAILED = "ok", "rejected", "failed"
+#: measured and usable; not measured (does not lower: TCM overflow); measuring failed;
+#: measured, but puts the step over the power profile's budget (never chosen)
+OK, REJECTED, FAILED, OVER_BUDGET = "ok", "rejected", "failed", "over_budget"
 
 
 class TuningLogError(EdgeTVMError):
@@ -100,13 +104,14 @@ class Record:
     kind: str                    # the template: cluster, decode_attention, embedding, ...
     name: str                    # the kernel's name (for people)
     knobs: dict
-    status: str                  # ok | rejected | failed
+    status: str                  # ok | rejected | failed | over_budget
     cycles: int | None = None
     error: str | None = None
     dram_bytes: int | None = None
     peak_power_mw: float | None = None
     wall_s: float = 0.0
     time: float = field(default_factory=time.time)
+    neighbours: str = ""         # the measuring context (Task.context); "" = alone
 
     @property
     def knobs_key(self) -> str:
@@ -117,26 +122,27 @@ class Record:
              "kind": self.kind, "name": self.name, "knobs": self.knobs,
              "status": self.status, "cycles": self.cycles, "error": self.error,
              "dram_bytes": self.dram_bytes, "peak_power_mw": self.peak_power_mw,
-             "wall_s": round(self.wall_s, 6), "time": round(self.time, 3)}
+             "wall_s": round(self.wall_s, 6), "time": round(self.time, 3),
+             "neighbours": self.neighbours}
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, d: dict) -> "Record":
-        if d.get("v") != FORMAT_VERSION:
+        if d.get("v") not in (1, FORMAT_VERSION):
             raise ValueError(f"format version {d.get('v')!r}")
         ctx = LogContext(**{k: d[k] for k in CONTEXT_KEYS})
         status = d["status"]
-        if status not in (OK, REJECTED, FAILED):
+        if status not in (OK, REJECTED, FAILED, OVER_BUDGET):
             raise ValueError(f"status {status!r}")
         cycles = d.get("cycles")
-        if status == OK and not (isinstance(cycles, int) and cycles > 0):
+        if status in (OK, OVER_BUDGET) and not (isinstance(cycles, int) and cycles > 0):
             raise ValueError(f"a measured record without cycles ({cycles!r})")
         if not isinstance(d["knobs"], dict):
             raise ValueError("knobs are not an object")
         return cls(ctx, str(d["workload"]), str(d["kind"]), str(d["name"]), d["knobs"],
                    status, cycles, d.get("error"), d.get("dram_bytes"),
                    d.get("peak_power_mw"), float(d.get("wall_s", 0.0)),
-                   float(d.get("time", 0.0)))
+                   float(d.get("time", 0.0)), str(d.get("neighbours", "")))
 
 
 class TuningLog:
@@ -237,10 +243,24 @@ class TuningLog:
     @staticmethod
     def best(records: list) -> dict:
         """workload -> its best measured Record (fewest cycles; ties broken by the knobs'
-        canonical text, so the choice does not depend on the order of the log)."""
+        canonical text, so the choice does not depend on the order of the log).
+
+        Cycles measured in different contexts (``neighbours``: another set of tuned
+        programs put other kernels beside it) are not compared: per workload the context
+        with the most measurements is used (ties: the smaller name)."""
+        count: dict = {}
+        for r in records:
+            if r.status == OK:
+                key = (r.workload, r.neighbours)
+                count[key] = count.get(key, 0) + 1
+        chosen: dict = {}
+        for (w, n), c in count.items():
+            cur = chosen.get(w)
+            if cur is None or (-c, n) < (-count[(w, cur)], cur):
+                chosen[w] = n
         best: dict = {}
         for r in records:
-            if r.status != OK:
+            if r.status != OK or chosen[r.workload] != r.neighbours:
                 continue
             cur = best.get(r.workload)
             if cur is None or (r.cycles, r.knobs_key) < (cur.cycles, cur.knobs_key):

@@ -6,12 +6,15 @@ result is a :class:`Measurement`, a :class:`CandidateRejected` (it does not lowe
 overflow, knobs the template refuses; never run) or another exception (a failed trial:
 an error, a timeout, a lost server; the tuner goes on).
 
-The measured cost is the steady state of :mod:`edgetvm.tune.tasks`: the second of two
-back-to-back runs on one emulator timeline. Locally that is two ``Timeline.run`` calls.
-A runner (``edgetvm.runner``) runs every job on a fresh timeline, so there the kernel is
-linked twice into one program (a ``Launch`` before each copy, as between two runs on one
-timeline) and the cost is that program's cycles minus the single copy's: the same cycle
-count, exactly (``test_tune_tracker.py`` checks it).
+The measured cost is the kernel's cost **in context**
+(:func:`~edgetvm.build.measure.measure_in_context`): the steady state (the second of two
+back-to-back runs on one emulator timeline) of the candidate linked between its
+neighbours with cross-kernel prefetch, less that of the neighbours linked alone (measured
+once per task). Locally that is ``Timeline.run`` twice. A runner (``edgetvm.runner``)
+runs every job on a fresh timeline, so there the chain is linked twice into one program
+(a ``Launch`` before each copy, as between two runs on one timeline) and the steady cost
+is that program's cycles minus the single chain's: the same cycle count (to one cycle
+when the clock is throttled, whose float time each run rounds; ``test_tune_tracker.py``).
 
 Local workers are *forked* once the tasks exist, so each inherits the compiler (its phase
 graphs, weights and templates) and lowers and runs its candidates itself: only knob sets
@@ -28,29 +31,41 @@ from edgetvm.build.graph import BuildError
 from edgetvm.errors import CandidateRejected
 from edgetvm.target.emulator import Emulator
 
-from edgetvm.build.measure import kernel_program, measurement_params, run_steady
+from edgetvm.build.measure import context_programs, measurement_params, run_steady
 
 
 @dataclass(frozen=True)
 class Measurement:
-    cycles: int
+    cycles: int                  # what the kernel adds to the step, in context
     dram_bytes: int
-    peak_power_mw: float
+    peak_power_mw: float         # peak windowed power of the chain with the kernel
+    neighbours_peak_mw: float = 0.0   # ... and of its neighbours without it
+
+    def over_budget(self, budget_mw: float) -> bool:
+        """Does this kernel put the step's windowed power over ``budget_mw``? (The chain
+        with it peaks above the budget, and above the neighbours without it: a neighbour
+        that is over on its own is not this candidate's doing.)"""
+        return self.peak_power_mw > budget_mw and \
+            self.peak_power_mw > self.neighbours_peak_mw
 
 
 @dataclass
 class Job:
-    """A lowered candidate: its program (the kernel alone, relocated) and runtime
-    parameters, and the kernel and phase graph it came from."""
+    """A lowered candidate: its program (the kernel between its neighbours, relocated),
+    the neighbours' program without it (None: no neighbours), their runtime parameters,
+    and the kernel and phase graph it came from."""
 
     program: object
     params: dict
+    without: object
+    without_params: dict
     kernel: object
     graph: object
 
 
-def lower_candidate(mc, task, knobs) -> Job:
-    """Lower ``knobs`` of ``task`` with compiler ``mc``; raises CandidateRejected."""
+def lower_candidate(mc, task, knobs, copies: int = 1) -> Job:
+    """Lower ``knobs`` of ``task`` with compiler ``mc`` into its measuring programs (the
+    chains ``copies`` times over); raises CandidateRejected."""
     try:
         k = mc.kernels.kernel(task.graph, list(task.group), knobs=knobs)
     except BuildError as e:
@@ -59,20 +74,56 @@ def lower_candidate(mc, task, knobs) -> Job:
         raise
     except Exception as e:                             # noqa: BLE001 - a failed trial
         raise RuntimeError(f"lowering: {type(e).__name__}: {e}") from None
-    program = kernel_program(k, task.graph, mc.spec)
-    return Job(program, measurement_params(program, task.graph, mc.layout), k, task.graph)
+    before, after = task.context_kernels(mc)
+    with_it, without = context_programs(k, before, after, task.graph, mc.spec, copies)
+    params = measurement_params(with_it, task.graph, mc.layout)
+    wparams = None if without is None else \
+        measurement_params(without, task.graph, mc.layout)
+    return Job(with_it, params, without, wparams, k, task.graph)
 
 
-def _from_counters(c) -> Measurement:
-    return Measurement(int(c.total_cycles), int(c.dram_read_bytes + c.dram_write_bytes),
-                       float(c.peak_power_mw))
+def in_context(with_it, without) -> Measurement:
+    """The candidate's Measurement from the Counters (or counter dicts) of the chain with
+    it and of its neighbours alone (None: no neighbours). Peak power is the chain's.
+    A difference below one cycle (a kernel that costs nothing in context) counts as 1."""
+    def get(c, name):
+        return c[name] if isinstance(c, dict) else getattr(c, name)
+
+    def total(c, names):
+        return 0 if c is None else sum(int(get(c, n)) for n in names)
+    cyc = ("total_cycles",)
+    dram = ("dram_read_bytes", "dram_write_bytes")
+    return Measurement(max(1, total(with_it, cyc) - total(without, cyc)),
+                       total(with_it, dram) - total(without, dram),
+                       float(get(with_it, "peak_power_mw")),
+                       0.0 if without is None else float(get(without, "peak_power_mw")))
+
+
+def measure_candidate(mc, task, knobs, emulator) -> Measurement:
+    """Lower and measure one candidate in this process (raises CandidateRejected)."""
+    job = lower_candidate(mc, task, knobs)
+    return in_context(run_steady(emulator, job.program, job.params),
+                      _neighbours_alone(task, job, emulator))
+
+
+#: (task workload, neighbours, emulator id) -> Counters of the neighbours linked alone;
+#: the same for every candidate of a task, so measured once per process
+_ALONE: dict = {}
+
+
+def _neighbours_alone(task, job, emulator):
+    if job.without is None:
+        return None
+    key = (task.workload, task.context, id(emulator))
+    if key not in _ALONE:
+        _ALONE[key] = (emulator, run_steady(emulator, job.without, job.without_params))
+    return _ALONE[key][1]
 
 
 def _lower_and_run(mc, task, knobs, emulator):
     t0 = time.time()
     try:
-        job = lower_candidate(mc, task, knobs)
-        res = _from_counters(run_steady(emulator, job.program, job.params))
+        res = measure_candidate(mc, task, knobs, emulator)
     except CandidateRejected as e:
         res = CandidateRejected(str(e))
     except Exception as e:                             # noqa: BLE001 - a failed trial
@@ -162,6 +213,7 @@ class RunnerMeasurer:
 
     def __init__(self, mc, runner, profile):
         self.mc, self.runner, self.profile = mc, runner, profile
+        self._alone: dict = {}       # task workload -> steady counters of the neighbours
 
     def measure(self, task, batch: list) -> list:
         from edgetvm.runner import RunJob
@@ -174,28 +226,41 @@ class RunnerMeasurer:
                 lowered.append(e)
                 continue
             lowered.append(len(runs))
-            twice = kernel_program(j.kernel, j.graph, self.mc.spec, copies=2)
+            twice = lower_candidate(self.mc, task, kn, copies=2)
             runs += [RunJob(j.program, {}, j.params, self.profile),
-                     RunJob(twice, {}, j.params, self.profile)]
+                     RunJob(twice.program, {}, twice.params, self.profile)]
+            if self._alone.get(task.workload) is None and j.without is not None:
+                self._alone[task.workload] = len(runs)
+                runs += [RunJob(j.without, {}, j.without_params, self.profile),
+                         RunJob(twice.without, {}, twice.without_params, self.profile)]
         res = self.runner.run_many(runs, return_exceptions=True) if runs else []
         wall = (time.time() - t0) / max(1, len(batch))
+        alone = self._alone.get(task.workload)
+        if isinstance(alone, int):           # measured in this batch
+            alone = self._alone[task.workload] = _steady(res[alone], res[alone + 1])
+            if isinstance(alone, BaseException):
+                self._alone[task.workload] = None      # try again with the next batch
         out = []
         for x in lowered:
             if isinstance(x, BaseException):
                 out.append((x, wall))
                 continue
-            once, twice = res[x], res[x + 1]
-            bad = next((r for r in (once, twice) if isinstance(r, BaseException)), None)
-            if bad is not None:
-                out.append((bad, wall))
-                continue
-            a, b = once.counters, twice.counters
-            out.append((Measurement(
-                int(b["total_cycles"] - a["total_cycles"]),
-                int(b["dram_read_bytes"] + b["dram_write_bytes"]
-                    - a["dram_read_bytes"] - a["dram_write_bytes"]),
-                float(b["peak_power_mw"])), wall))
+            chain = _steady(res[x], res[x + 1])
+            bad = next((r for r in (chain, alone) if isinstance(r, BaseException)), None)
+            out.append((bad, wall) if bad is not None else (in_context(chain, alone), wall))
         return out
 
     def close(self) -> None:
         self.runner.close()
+
+
+def _steady(once, twice):
+    """Counters (a dict) of the second copy: ``twice`` less ``once``; an exception when
+    either run failed. Peak power is the two-copy run's."""
+    bad = next((r for r in (once, twice) if isinstance(r, BaseException)), None)
+    if bad is not None:
+        return bad
+    a, b = once.counters, twice.counters
+    out = {k: b[k] - a[k] for k in ("total_cycles", "dram_read_bytes", "dram_write_bytes")}
+    out["peak_power_mw"] = b["peak_power_mw"]
+    return out

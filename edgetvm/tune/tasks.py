@@ -15,8 +15,11 @@ DMA split and, per matmul stage, its output and reduction tiles, weight and
 accumulator slots. Attention: query and KV tiles, KV and score slots. Embedding: row
 tile, output slots, DMA split. KV appends have no knobs and are not tasks.
 
-A candidate is measured as :mod:`edgetvm.build.measure` measures every kernel (the same
-method as ``edgellm``'s cut-point search).
+A candidate is measured **in context** (:func:`~edgetvm.build.measure.measure_in_context`):
+linked between the kernels before and after the task's first occurrence, with their
+default knobs and the linker's cross-kernel prefetch, less those two neighbours linked
+alone. :attr:`Task.context` names that context; records measured in another one are
+not compared with it.
 """
 from __future__ import annotations
 
@@ -53,6 +56,15 @@ class Task:
     space: dict = field(default_factory=dict)     # flat knob name -> candidate values
     default_knobs: dict = field(default_factory=dict)
     shape: dict = field(default_factory=dict)     # what the cost features need
+    before: tuple | None = None  # the op groups of the neighbouring kernels in ``graph``
+    after: tuple | None = None
+    context: str = ""            # the measuring context: hash of the neighbours' keys
+
+    def context_kernels(self, mc) -> tuple:
+        """(before, after) kernels with their default knobs (None at a phase's ends)."""
+        cons = self.graph.consumers()
+        return tuple(None if grp is None else mc.kernels.kernel(self.graph, list(grp), cons)
+                     for grp in (self.before, self.after))
 
     @property
     def label(self) -> str:
@@ -192,7 +204,8 @@ def extract_tasks(mc, keys, strategy: str | None = None) -> list:
     for key in keys:
         g = mc.graph(*key)
         consumers = g.consumers()
-        for group in mc.partition(g, strategy):
+        groups = mc.partition(g, strategy)
+        for i, group in enumerate(groups):
             op = g.ops[group[0]]
             if op.kind == "kv_append":
                 continue
@@ -210,8 +223,13 @@ def extract_tasks(mc, keys, strategy: str | None = None) -> list:
                     space, shape = template_space(kind, g, op, mc.layout)
                 else:
                     raise BuildError(f"op {op.name}: no tuning template for {op.kind}")
+                before = tuple(groups[i - 1]) if i > 0 else None
+                after = tuple(groups[i + 1]) if i + 1 < len(groups) else None
                 t = tasks[k.key] = Task(k.key, kind, k.name, g, tuple(group), space=space,
-                                        default_knobs=dict(k.knobs), shape=shape)
+                                        default_knobs=dict(k.knobs), shape=shape,
+                                        before=before, after=after)
+                t.context = workload_hash("|".join(
+                    "" if nk is None else nk.key for nk in t.context_kernels(mc)))[:16]
                 t.include(t.default_knobs)
                 # the defaults in the space's own form, so that the search never measures
                 # them again under another spelling (slots_in 2 vs {"t0": 2})

@@ -6,7 +6,8 @@ Loop (MetaSchedule's shape: ``TaskScheduler`` -> ``SearchStrategy`` -> ``CostMod
 
 1. every task's default knobs are measured first (its baseline and its weight: how often
    it runs x that latency); a record already in the log is reused, not measured again;
-2. the scheduler picks a task: each task once (warm-up), then the one whose gradient is
+2. the scheduler picks a task: each task once (warm-up, the heaviest first: runs x
+   default cycles), then the one whose gradient is
    largest, ``count * (alpha * backward + (1 - alpha) * forward)``, with ``backward`` the
    cycles its best fell per round over the last rounds and ``forward`` the optimistic
    ``best / (trials + 1)`` (MetaSchedule's ``GradientBased`` task scheduler);
@@ -42,7 +43,7 @@ import numpy as np
 from edgetvm.errors import CandidateRejected, EdgeTVMError
 
 from .cost_model import CostModel, features
-from .log import FAILED, OK, REJECTED, Record, canonical_knobs
+from .log import FAILED, OK, OVER_BUDGET, REJECTED, Record, canonical_knobs
 from .measure import LocalMeasurer
 
 log = logging.getLogger("edgetvm")
@@ -60,9 +61,10 @@ class TaskState:
     best_cycles: int | None = None
     best_knobs: dict | None = None
     history: list = field(default_factory=list)  # best cycles after each round
-    trials: int = 0                              # measured (ok + failed) this run and before
+    trials: int = 0              # measured (ok, failed, over budget) this run and before
     rejected: int = 0
     failed: int = 0
+    over_budget: int = 0
     exhausted: bool = False
 
     def offer(self, rec: Record) -> None:
@@ -73,6 +75,9 @@ class TaskState:
         self.trials += 1
         if rec.status == FAILED:
             self.failed += 1
+            return
+        if rec.status == OVER_BUDGET:
+            self.over_budget += 1
             return
         if self.best_cycles is None or (rec.cycles, rec.knobs_key) < \
                 (self.best_cycles, canonical_knobs(self.best_knobs)):
@@ -96,6 +101,7 @@ class Tuner:
         self.batch, self.alpha, self.window = int(batch), alpha, window
         self.model = CostModel(seed) if use_model else None
         self.measurer = measurer or LocalMeasurer(mc, context.profile)
+        self.budget_mw = mc.spec.profile(context.profile).budget_mw
         self.progress = progress
         self.measured_now = 0                     # measurements made by this run
         self._resume()
@@ -103,13 +109,15 @@ class Tuner:
     # -- resume ----------------------------------------------------------------------------
     def _resume(self) -> None:
         by_w = {s.task.workload: s for s in self.states}
-        recs = [r for r in self.log.matching(self.ctx) if r.workload in by_w]
+        recs = [r for r in self.log.matching(self.ctx) if r.workload in by_w
+                and r.neighbours == by_w[r.workload].task.context]
         for r in recs:
             by_w[r.workload].offer(r)
         for s in self.states:
             d = canonical_knobs(s.task.default_knobs)
             for r in recs:
-                if r.workload == s.task.workload and r.status == OK and r.knobs_key == d:
+                if r.workload == s.task.workload and r.status in (OK, OVER_BUDGET) \
+                        and r.knobs_key == d:
                     s.default_cycles = r.cycles
         self._pending_training = recs
         if recs:
@@ -122,7 +130,7 @@ class Tuner:
         by_w = {s.task.workload: s for s in self.states}
         for r in recs:
             s = by_w.get(r.workload)
-            if r.status == OK and s is not None and s.default_cycles:
+            if r.status in (OK, OVER_BUDGET) and s is not None and s.default_cycles:
                 self.model.add(features(s.task, r.knobs, self.mc.spec), r.cycles,
                                s.default_cycles)
 
@@ -131,7 +139,8 @@ class Tuner:
         rec = Record(self.ctx, task.workload, task.kind, task.name, knobs, status,
                      cycles=m.cycles if m else None, error=error,
                      dram_bytes=m.dram_bytes if m else None,
-                     peak_power_mw=round(m.peak_power_mw, 3) if m else None, wall_s=wall_s)
+                     peak_power_mw=round(m.peak_power_mw, 3) if m else None, wall_s=wall_s,
+                     neighbours=task.context)
         self.log.append(rec)
         if status != REJECTED:
             self.measured_now += 1
@@ -148,6 +157,11 @@ class Tuner:
             elif isinstance(res, BaseException):
                 out.append(self._record(state.task, kn, FAILED, wall_s=wall,
                                         error=f"{type(res).__name__}: {str(res)[:400]}"))
+            elif res.over_budget(self.budget_mw):
+                out.append(self._record(
+                    state.task, kn, OVER_BUDGET, m=res, wall_s=wall,
+                    error=f"peak {res.peak_power_mw:.0f} mW over the {self.ctx.profile} "
+                          f"budget of {self.budget_mw:.0f} mW"))
             else:
                 out.append(self._record(state.task, kn, OK, m=res, wall_s=wall))
         return out
@@ -158,44 +172,46 @@ class Tuner:
             if s.default_cycles is None:
                 (rec,) = self._measure_batch(s, [s.task.default_knobs])
                 s.offer(rec)
-                if rec.status != OK:
+                if rec.status not in (OK, OVER_BUDGET):
                     log.warning("task %s: the default knobs do not measure (%s); skipped",
                                 s.task.name, rec.error)
                     s.exhausted = True
                     continue
                 s.default_cycles = rec.cycles
             if not s.history:
-                s.history.append(s.best_cycles)
+                s.history.append(s.best_cycles or s.default_cycles)
         self._train_from(self._pending_training)
         self._pending_training = []
 
     def step_cycles(self) -> int:
-        """Sum over the tasks of (occurrences x best measured cycles)."""
-        return sum(s.task.count * (s.best_cycles or 0) for s in self.states)
+        """Sum over the tasks of (occurrences x the cycles of the knobs a build replays:
+        the best within the budget, else the defaults)."""
+        return sum(s.task.count * (s.best_cycles or s.default_cycles or 0)
+                   for s in self.states)
 
     def default_step_cycles(self) -> int:
         return sum(s.task.count * (s.default_cycles or 0) for s in self.states)
 
     def _pick(self):
-        live = [s for s in self.states if not s.exhausted and s.best_cycles]
+        live = [s for s in self.states if not s.exhausted and s.default_cycles]
         if not live:
             return None
         fresh = [s for s in live if len(s.history) < 2]
-        if fresh:
-            return fresh[0]
+        if fresh:               # warm-up: the heaviest first (a budget may end it early)
+            return max(fresh, key=lambda s: (s.task.count * s.default_cycles, s.task.key))
 
         def grad(s):
             h = s.history
             w = min(self.window, len(h) - 1)
             backward = (h[-1 - w] - h[-1]) / w
-            forward = s.best_cycles / (s.trials + 1)
+            forward = (s.best_cycles or s.default_cycles) / (s.trials + 1)
             return s.task.count * (self.alpha * backward + (1 - self.alpha) * forward)
         return max(live, key=grad)
 
     def _propose(self, s, n: int) -> list:
         t = s.task
         pool = t.sample(self.rng, max(64, 8 * n), s.seen)
-        best_point = t.to_point(s.best_knobs) if s.best_knobs else None
+        best_point = t.to_point(s.best_knobs or t.default_knobs)
         if best_point is not None:
             keys = {canonical_knobs(t.to_knobs(p)) for p in pool}
             for p in t.neighbours(best_point):
@@ -249,7 +265,7 @@ class Tuner:
                 self._train_from(recs)
                 if self.model is not None:
                     self.model.fit()
-                s.history.append(s.best_cycles)
+                s.history.append(s.best_cycles or s.default_cycles)
                 bar.update(self.measured_now - before)
                 bar.set_postfix_str(f"step {self.step_cycles():,} cyc "
                                     f"(default {self.default_step_cycles():,})")
@@ -267,6 +283,7 @@ class Tuner:
                              speedup=(s.default_cycles / s.best_cycles)
                              if s.best_cycles else None,
                              trials=s.trials, rejected=s.rejected, failed=s.failed,
+                             over_budget=s.over_budget,
                              space=t.space_size, best_knobs=s.best_knobs))
         return dict(tasks=rows, measured=self.measured_now, seconds=seconds,
                     step_cycles_default=self.default_step_cycles(),
@@ -280,21 +297,24 @@ def _bar(total, on: bool):
 
 def format_report(rep: dict) -> str:
     lines = [f"{'task':<44} {'runs':>4} {'default_cyc':>11} {'best_cyc':>11} "
-             f"{'x':>5} {'trials':>6} {'rej':>4} {'fail':>4}"]
+             f"{'x':>5} {'trials':>6} {'rej':>4} {'fail':>4} {'over':>4}"]
     for r in sorted(rep["tasks"], key=lambda r: -(r["count"] * (r["default_cycles"] or 0))):
         sp = f"{r['speedup']:.2f}" if r["speedup"] else "-"
         lines.append(f"{r['task'][:44]:<44} {r['count']:>4} "
                      f"{r['default_cycles'] or 0:>11,} {r['best_cycles'] or 0:>11,} {sp:>5} "
-                     f"{r['trials']:>6} {r['rejected']:>4} {r['failed']:>4}")
+                     f"{r['trials']:>6} {r['rejected']:>4} {r['failed']:>4} "
+                     f"{r.get('over_budget', 0):>4}")
     d, b = rep["step_cycles_default"], rep["step_cycles_tuned"]
     lines.append(f"sum over the selected programs (runs x cycles): {d:,} -> {b:,} cycles "
                  f"({d / b:.3f}x)" if b else "nothing measured")
     lines.append(f"{rep['measured']} measurements in {rep['seconds']:.1f} s; log {rep['log']}")
     if rep.get("phases"):
-        lines.append(f"{'whole program (linked, prefetch)':<36} {'default_cyc':>11} "
-                     f"{'tuned_cyc':>11} {'x':>6}")
+        lines.append(f"{'whole program (linked, prefetch)':<34} {'default_cyc':>11} "
+                     f"{'tuned_cyc':>11} {'x':>6} {'peak_mW':>8} {'tuned':>8} "
+                     f"(budget {rep['budget_mw']:.0f})")
         for r in rep["phases"]:
-            lines.append(f"{r['program']:<36} {r['default_cycles']:>11,} "
+            lines.append(f"{r['program']:<34} {r['default_cycles']:>11,} "
                          f"{r['tuned_cycles']:>11,} "
-                         f"{r['default_cycles'] / r['tuned_cycles']:>6.3f}")
+                         f"{r['default_cycles'] / r['tuned_cycles']:>6.3f} "
+                         f"{r['default_peak_mw']:>8.0f} {r['tuned_peak_mw']:>8.0f}")
     return "\n".join(lines)

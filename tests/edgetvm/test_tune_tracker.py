@@ -9,8 +9,8 @@ from rpc_helpers import (KEY, expect_listening, free_port, start_server, start_t
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.target.emulator import Emulator
 from edgetvm.tune.cli import tune
-from edgetvm.tune.log import OK, TuningLog
-from edgetvm.build.measure import measure_kernel
+from edgetvm.tune.log import OK, OVER_BUDGET, TuningLog
+from edgetvm.tune.measure import measure_candidate
 from edgetvm.tune.tasks import extract_tasks
 
 LLAMA = str(pathlib.Path(__file__).resolve().parents[1] / "data" / "llama_tiny_with_past.onnx")
@@ -39,14 +39,15 @@ def test_tracker_measures_what_a_local_run_measures(tracker, tmp_path, profile):
                trials=24, log_dir=d, rpc_tracker=f"127.0.0.1:{tracker}", rpc_key=KEY,
                profile=profile, progress=False, seed=2)
     assert rep["measured"] == 24
-    recs = [r for r in TuningLog(d).records() if r.status == OK]
+    recs = [r for r in TuningLog(d).records() if r.status in (OK, OVER_BUDGET)]
     assert len(recs) == 24
     mc = ModelCompiler(LLAMA, max_tokens=64, max_rows=16, profile=profile)
     tasks = {t.workload: t for t in extract_tasks(mc, [("prefill", 16, 4), ("decode", 1, 4)])}
     emu = Emulator(mc.spec, profile)
     for r in recs:
-        t = tasks[r.workload]
-        k = mc.kernels.kernel(t.graph, list(t.group), knobs=r.knobs)
-        c = measure_kernel(k, t.graph, mc.spec, mc.layout, emu)
-        assert (r.cycles, r.dram_bytes) == \
-            (c.total_cycles, c.dram_read_bytes + c.dram_write_bytes), r.name
+        m = measure_candidate(mc, tasks[r.workload], r.knobs, emu)
+        # one cycle apart at most: a throttled clock's time is a float, rounded per run,
+        # and the runner's figure is a difference of four runs, the local one of two
+        assert abs(r.cycles - m.cycles) <= (0 if profile == "performance" else 1), r.name
+        assert (r.dram_bytes, r.peak_power_mw) == (m.dram_bytes, round(m.peak_power_mw, 3))
+        assert (r.status == OVER_BUDGET) == m.over_budget(mc.spec.profile(profile).budget_mw)
