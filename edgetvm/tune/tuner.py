@@ -66,9 +66,13 @@ class TaskState:
     failed: int = 0
     over_budget: int = 0
     exhausted: bool = False
+    wall_s: float = 0.0          # time spent lowering and measuring its candidates
+    walls: int = 0
 
     def offer(self, rec: Record) -> None:
         self.seen.add(rec.knobs_key)
+        self.wall_s += rec.wall_s
+        self.walls += 1
         if rec.status == REJECTED:
             self.rejected += 1
             return
@@ -254,6 +258,12 @@ class Tuner:
                     break
                 n = self.batch if trials is None else min(self.batch,
                                                           trials - self.measured_now)
+                if time_budget is not None and s.walls:
+                    # no batch that would end well past the budget: as many candidates as
+                    # this task's mean trial time leaves room for (at least one)
+                    left = time_budget - (time.time() - t_start)
+                    par = getattr(self.measurer, "workers", 1)    # candidates at once
+                    n = min(n, par * (int(left / max(1e-3, s.wall_s / s.walls)) + 1))
                 batch = self._propose(s, max(1, n))
                 if not batch:
                     s.exhausted = True
