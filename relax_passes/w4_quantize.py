@@ -7,7 +7,8 @@ stored as :class:`~edgetvm.relax_passes.w4_pack.W4Weight`:
 - ``"uint4"``: a 4-bit integer zero point per group, the range ``[min(w, 0), max(w, 0)]``
   mapped onto ``[0, 15]`` (onnxruntime's asymmetric round-to-nearest);
 - ``"float"``: a zero point in the scales' dtype per group (MatMulNBits' float
-  ``zero_points``), scale and zero point fitted by least squares
+  ``zero_points``), scale and zero point fitted per group: of the grids least squares
+  reaches from the min-max and shrunk ranges and HQQ's, the one of least squared error
   (:func:`~edgetvm.relax_passes.w4_fit.fit_float_zero`). A float zero point can sit
   anywhere, so a group that lies on any 16-level grid (a Q4_1 checkpoint) is recovered
   exactly, and any other group gets the grid of least squared error the fit finds.
