@@ -15,12 +15,16 @@ each server pins its math library to one thread so they do not oversubscribe the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import tempfile
 import signal
 import socket
 import subprocess
 import sys
 import time
+
+from pathlib import Path
 
 import numpy as np
 
@@ -84,7 +88,10 @@ def _stop(procs) -> None:
         p.wait(timeout=20)
 
 
-def measure(n_servers: int, jobs: list) -> dict:
+@contextlib.contextmanager
+def tracker_with(n_servers: int):
+    """A TVM tracker on loopback with ``n_servers`` registered emulator servers; yields
+    the tracker's port."""
     tport = _free_port()
     procs = [_start([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
                      "--port", str(tport), "--port-end", str(tport + 1), "--silent"])]
@@ -101,11 +108,17 @@ def measure(n_servers: int, jobs: list) -> dict:
                 if time.monotonic() > deadline:
                     raise TimeoutError("servers did not register with the tracker")
                 time.sleep(0.2)
+        yield tport
+    finally:
+        _stop(procs)
+
+
+def measure(n_servers: int, jobs: list) -> dict:
+    with tracker_with(n_servers) as tport:
+        with TrackerRunner("127.0.0.1", tport, KEY, SPEC) as runner:
             t0 = time.perf_counter()
             results = runner.run_many(jobs)
             wall = time.perf_counter() - t0
-    finally:
-        _stop(procs)
     wrong = 0
     for job, res in zip(jobs, results):
         ref = job.inputs["A"].astype(np.float32) @ job.inputs["B"].astype(np.float32)
@@ -117,13 +130,49 @@ def measure(n_servers: int, jobs: list) -> dict:
             "wrong_results": wrong}
 
 
+def measure_tuner(n_servers: int, trials: int, batch: int) -> dict:
+    """The tuner measuring ``trials`` candidates of the bundled example's decode program
+    on the tracker's servers; every logged measurement is checked against a local one."""
+    from edgetvm.build.compiler import ModelCompiler
+    from edgetvm.target.emulator import Emulator
+    from edgetvm.tune.cli import tune
+    from edgetvm.tune.log import FAILED, TuningLog
+    from edgetvm.tune.measure import measure_candidate
+    from edgetvm.tune.tasks import extract_tasks
+
+    model = str(Path(__file__).resolve().parent.parent / "examples" /
+                "llama_tiny_with_past.onnx")
+    phases = ["decode_1x64p"]
+    with tempfile.TemporaryDirectory() as d, tracker_with(n_servers) as tport:
+        t0 = time.perf_counter()
+        rep = tune(model, phases=phases, trials=trials, log_dir=d, batch=batch,
+                   rpc_tracker=f"127.0.0.1:{tport}", rpc_key=KEY, validate=False,
+                   progress=False, seed=0)
+        wall = time.perf_counter() - t0
+        recs = TuningLog(d).records()
+    mc = ModelCompiler(model)
+    tasks = {t.workload: t for t in extract_tasks(mc, [("decode", 1, 64)])}
+    emu = Emulator(mc.spec)
+    wrong = sum(measure_candidate(mc, tasks[r.workload], r.knobs, emu).cycles != r.cycles
+                for r in recs[::7] if r.cycles is not None)
+    return {"servers": n_servers, "jobs": rep["measured"], "wall_s": round(wall, 2),
+            "jobs_per_s": round(rep["measured"] / wall, 3),
+            "candidates_per_min": round(60 * rep["measured"] / wall, 1),
+            "failed": sum(r.status == FAILED for r in recs), "wrong_results": wrong}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer, shorter jobs")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--servers", type=int, default=2, help="the N of the comparison")
     ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--tuner", action="store_true",
+                    help="tuner candidates per minute (the bundled example's decode "
+                         "kernels, lowered here, run on the servers) instead of raw jobs")
     args = ap.parse_args(argv)
+    if args.tuner:
+        return main_tuner(args)
     n_jobs = args.jobs or (8 if args.quick else 24)
     program = mma_program(512, 16 if args.quick else 48)
     rng = np.random.default_rng(0)
@@ -146,6 +195,28 @@ def main(argv=None) -> int:
                                "cpus": os.cpu_count()})
     if any(r["wrong_results"] for r in rows):
         print("WRONG RESULT: an output differs from numpy", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main_tuner(args) -> int:
+    trials = args.jobs or (32 if args.quick else 96)
+    print(f"tuner: {trials} candidates of the bundled example's decode kernels, batches of "
+          f"{4 * args.servers}; {os.cpu_count()} CPUs")
+    print(f"{'servers':>7} {'wall_s':>7} {'cand/min':>8} {'failed':>6} {'wrong':>5}")
+    rows = []
+    for n in (1, args.servers):
+        r = measure_tuner(n, trials, 4 * args.servers)
+        rows.append(r)
+        print(f"{r['servers']:>7} {r['wall_s']:>7} {r['candidates_per_min']:>8} "
+              f"{r['failed']:>6} {r['wrong_results']:>5}", flush=True)
+    speedup = rows[1]["jobs_per_s"] / rows[0]["jobs_per_s"]
+    print(f"candidates per minute with {args.servers} servers / 1 server: {speedup:.2f}x")
+    if args.json:
+        write_json(args.json, {"mode": "tuner", "rows": rows, "speedup": round(speedup, 3),
+                               "cpus": os.cpu_count()})
+    if any(r["wrong_results"] for r in rows):
+        print("WRONG RESULT: a logged measurement differs from a local one", file=sys.stderr)
         return 1
     return 0
 

@@ -26,9 +26,11 @@ templates have no trace to mutate, and a candidate here is a knob set that
 scheduler's rule (gradient with a backward window and an optimistic forward estimate) is
 MetaSchedule's, over these tasks.
 
-A candidate whose power the profile's budget cannot sustain is throttled by the
-emulator's governor while it is measured, so its cycles include what the budget costs;
-the best record per kernel is the one fastest *under* the profile.
+Power: every candidate runs under the profile's governor, so its cycles include the
+throttling its power costs. One that puts the step over the profile's budget beyond what
+the governor can correct (:meth:`~edgetvm.tune.measure.Measurement.over_budget`) is
+logged ``over_budget``, counts as a trial, and is never chosen; a kernel none of whose
+measured candidates is within the budget keeps its default knobs.
 """
 from __future__ import annotations
 
