@@ -69,11 +69,15 @@ def chain_program(kernels: list, graph, spec, copies: int = 1, prefetch: bool = 
     return linker.build()
 
 
+def run_twice(emulator, program, params) -> tuple:
+    """Counters of two back-to-back runs on one timeline."""
+    clock = emulator.timeline()
+    return clock.run(program, {}, params).counters, clock.run(program, {}, params).counters
+
+
 def run_steady(emulator, program, params):
     """Counters of the second of two back-to-back runs on one timeline."""
-    clock = emulator.timeline()
-    clock.run(program, {}, params)
-    return clock.run(program, {}, params).counters
+    return run_twice(emulator, program, params)[1]
 
 
 def measure_kernel(kernel, graph, spec, layout, emulator):

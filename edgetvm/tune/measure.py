@@ -15,6 +15,8 @@ runs every job on a fresh timeline, so there the chain is linked twice into one 
 (a ``Launch`` before each copy, as between two runs on one timeline) and the steady cost
 is that program's cycles minus the single chain's: the same cycle count (to one cycle
 when the clock is throttled, whose float time each run rounds; ``test_tune_tracker.py``).
+Peak power and the lowest clock are taken over both runs, as the two-copy program gives
+them.
 
 Local workers are *forked* once the tasks exist, so each inherits the compiler (its phase
 graphs, weights and templates) and lowers and runs its candidates itself: only knob sets
@@ -32,26 +34,27 @@ from edgetvm.errors import CandidateRejected
 from edgetvm.target.emulator import Emulator
 from edgetvm.target.emulator.power import MIN_SCALE
 
-from edgetvm.build.measure import context_programs, measurement_params, run_steady
+from edgetvm.build.measure import context_programs, measurement_params, run_twice
 
 
 @dataclass(frozen=True)
 class Measurement:
     cycles: int                  # what the kernel adds to the step, in context
     dram_bytes: int
-    peak_power_mw: float         # peak windowed power of the chain with the kernel
+    peak_power_mw: float         # peak windowed power of the chain with the kernel (both runs)
     neighbours_peak_mw: float = 0.0   # ... and of its neighbours without it
     min_clock_scale: float = 1.0      # the lowest clock the governor set in the chain
 
-    def over_budget(self, budget_mw: float) -> bool:
-        """Does this kernel put the step over ``budget_mw``, beyond what the governor can
-        correct? The chain with it peaks above the budget, above its neighbours without it
+    def over_budget(self, limit_mw: float) -> bool:
+        """Does this kernel put the step over ``limit_mw`` (the profile's budget, see
+        :meth:`~edgetvm.tune.tuner.Tuner.power_limit`) beyond what the governor can
+        correct? The chain with it peaks above the limit, above its neighbours without it
         (a neighbour over on its own is not this candidate's doing), and the governor had
         the clock at its floor (``MIN_SCALE``): the power that does not scale with the
-        clock (DRAM, TCM, static) alone breaks the budget. A window over budget while the
+        clock (DRAM, TCM, static) alone breaks it. A window over the limit while the
         governor still had room is its reaction time (one DVFS interval), which it then
         corrects; its cost is in the measured cycles."""
-        return self.peak_power_mw > budget_mw and \
+        return self.peak_power_mw > limit_mw and \
             self.peak_power_mw > self.neighbours_peak_mw and \
             self.min_clock_scale <= MIN_SCALE + 1e-9
 
@@ -110,8 +113,18 @@ def in_context(with_it, without) -> Measurement:
 def measure_candidate(mc, task, knobs, emulator) -> Measurement:
     """Lower and measure one candidate in this process (raises CandidateRejected)."""
     job = lower_candidate(mc, task, knobs)
-    return in_context(run_steady(emulator, job.program, job.params),
+    return in_context(_steady_local(emulator, job.program, job.params),
                       _neighbours_alone(task, job, emulator))
+
+
+def _steady_local(emulator, program, params) -> dict:
+    """The figures :func:`_steady` gives a runner's two programs, from two runs on one
+    timeline: cycles and bytes of the second run, peak power and lowest clock of both."""
+    a, b = run_twice(emulator, program, params)
+    out = {k: getattr(b, k) for k in ("total_cycles", "dram_read_bytes", "dram_write_bytes")}
+    out["peak_power_mw"] = max(a.peak_power_mw, b.peak_power_mw)
+    out["min_clock_scale"] = min(a.min_clock_scale, b.min_clock_scale)
+    return out
 
 
 #: (task workload, neighbours, emulator id) -> Counters of the neighbours linked alone;
@@ -124,7 +137,7 @@ def _neighbours_alone(task, job, emulator):
         return None
     key = (task.workload, task.context, id(emulator))
     if key not in _ALONE:
-        _ALONE[key] = (emulator, run_steady(emulator, job.without, job.without_params))
+        _ALONE[key] = (emulator, _steady_local(emulator, job.without, job.without_params))
     return _ALONE[key][1]
 
 
@@ -270,6 +283,6 @@ def _steady(once, twice):
         return bad
     a, b = once.counters, twice.counters
     out = {k: b[k] - a[k] for k in ("total_cycles", "dram_read_bytes", "dram_write_bytes")}
-    out["peak_power_mw"] = b["peak_power_mw"]
+    out["peak_power_mw"] = b["peak_power_mw"]          # the two-copy run's: both copies
     out["min_clock_scale"] = b["min_clock_scale"]
     return out

@@ -29,8 +29,12 @@ MetaSchedule's, over these tasks.
 Power: every candidate runs under the profile's governor, so its cycles include the
 throttling its power costs. One that puts the step over the profile's budget beyond what
 the governor can correct (:meth:`~edgetvm.tune.measure.Measurement.over_budget`) is
-logged ``over_budget``, counts as a trial, and is never chosen; a kernel none of whose
-measured candidates is within the budget keeps its default knobs.
+logged ``over_budget``, counts as a trial, and is never chosen. When a kernel's default
+knobs are over the budget themselves (a bandwidth-bound kernel under ``low-battery``:
+the DRAM power alone is over 700 mW, and the clock does not slow DRAM), the limit is the
+default's peak instead (:meth:`Tuner.power_limit`): tuning never makes such a kernel draw
+more, and does not trade its speed for a budget the rest of the step breaks anyway (a
+hard per-kernel budget chose linears 30x slower, and the program stayed over budget).
 """
 from __future__ import annotations
 
@@ -51,6 +55,10 @@ from .measure import LocalMeasurer
 log = logging.getLogger("edgetvm")
 
 
+#: the note on a baseline record whose default knobs break the budget themselves
+DEFAULTS_OVER = "defaults over budget"
+
+
 class TuneError(EdgeTVMError):
     """The tuner cannot run as asked."""
 
@@ -68,6 +76,8 @@ class TaskState:
     failed: int = 0
     over_budget: int = 0
     exhausted: bool = False
+    default_peak_mw: float | None = None
+    default_over: bool = False   # the defaults themselves break the budget
     wall_s: float = 0.0          # time spent lowering and measuring its candidates
     walls: int = 0
 
@@ -125,6 +135,8 @@ class Tuner:
                 if r.workload == s.task.workload and r.status in (OK, OVER_BUDGET) \
                         and r.knobs_key == d:
                     s.default_cycles = r.cycles
+                    s.default_peak_mw = r.peak_power_mw
+                    s.default_over = (r.error or "").startswith(DEFAULTS_OVER)
         self._pending_training = recs
         if recs:
             log.info("resumed %d records of %d tasks from %s", len(recs),
@@ -152,9 +164,16 @@ class Tuner:
             self.measured_now += 1
         return rec
 
-    def _measure_batch(self, state, batch: list) -> list:
+    def power_limit(self, state) -> float:
+        """The peak power a candidate of ``state``'s task may reach: the budget, or the
+        defaults' peak when the defaults break the budget themselves."""
+        if state.default_over and state.default_peak_mw:
+            return max(self.budget_mw, state.default_peak_mw)
+        return self.budget_mw
+
+    def _measure_batch(self, state, batch: list, default: bool = False) -> list:
         """Records of ``batch`` (knob sets of one task); each is in the log before this
-        returns."""
+        returns. ``default``: the batch is the task's default knobs (the baseline)."""
         out = []
         for kn, (res, wall) in zip(batch, self.measurer.measure(state.task, batch)):
             if isinstance(res, CandidateRejected):
@@ -163,11 +182,19 @@ class Tuner:
             elif isinstance(res, BaseException):
                 out.append(self._record(state.task, kn, FAILED, wall_s=wall,
                                         error=f"{type(res).__name__}: {str(res)[:400]}"))
-            elif res.over_budget(self.budget_mw):
+            elif default and res.over_budget(self.budget_mw):
+                # the baseline is always usable; its peak becomes the task's limit
+                state.default_over = True
+                out.append(self._record(
+                    state.task, kn, OK, m=res, wall_s=wall,
+                    error=f"{DEFAULTS_OVER}: they peak at {res.peak_power_mw:.0f} mW, over "
+                          f"the {self.ctx.profile} budget of {self.budget_mw:.0f} mW"))
+            elif not default and res.over_budget(self.power_limit(state)):
                 out.append(self._record(
                     state.task, kn, OVER_BUDGET, m=res, wall_s=wall,
-                    error=f"peak {res.peak_power_mw:.0f} mW over the {self.ctx.profile} "
-                          f"budget of {self.budget_mw:.0f} mW"))
+                    error=f"peak {res.peak_power_mw:.0f} mW over the limit of "
+                          f"{self.power_limit(state):.0f} mW ({self.ctx.profile} budget "
+                          f"{self.budget_mw:.0f} mW)"))
             else:
                 out.append(self._record(state.task, kn, OK, m=res, wall_s=wall))
         return out
@@ -176,8 +203,9 @@ class Tuner:
     def _baselines(self) -> None:
         for s in self.states:
             if s.default_cycles is None:
-                (rec,) = self._measure_batch(s, [s.task.default_knobs])
+                (rec,) = self._measure_batch(s, [s.task.default_knobs], default=True)
                 s.offer(rec)
+                s.default_peak_mw = rec.peak_power_mw
                 if rec.status not in (OK, OVER_BUDGET):
                     log.warning("task %s: the default knobs do not measure (%s); skipped",
                                 s.task.name, rec.error)
