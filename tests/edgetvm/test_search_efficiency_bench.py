@@ -1,0 +1,70 @@
+"""benchmarks/search_efficiency.py in a tiny configuration: the tiny Llama, a few trials,
+one seed; its curves, trial counts and checks hold together."""
+import importlib.util
+import json
+import math
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+LLAMA = str(REPO / "tests" / "data" / "llama_tiny_with_past.onnx")
+
+
+def _benchmark_main(monkeypatch):
+    # run as `python benchmarks/search_efficiency.py` runs it: benchmarks/ first on the path
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    path = REPO / "benchmarks" / "search_efficiency.py"
+    spec = importlib.util.spec_from_file_location("bench_search_efficiency", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_search_efficiency_benchmark_on_the_tiny_llama(tmp_path, capsys, monkeypatch):
+    bench = _benchmark_main(monkeypatch)
+    out_json = tmp_path / "se.json"
+    trials = 10
+    assert bench.main(["--model", LLAMA, "--prefill", "16", "--max-tokens", "64",
+                       "--trials", str(trials), "--seeds", "1", "--timeout", "0",
+                       "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "partition" in out and "goal: model/random <= 0.2x" in out
+    data = json.loads(out_json.read_text())
+    assert data["errors"] == []
+    rows = {r["role"]: r for r in data["rows"]}
+    assert set(rows) == set(bench.ROLES)
+    assert rows["partition"]["task"] is None and "cut points" in rows["partition"]["note"]
+    kinds = {role: rows[role]["kind"] for role in bench.ROLES if role != "partition"}
+    assert kinds == {"decode GEMV chain": "cluster", "prefill MLP cluster": "cluster",
+                     "prefill attention": "prefill_attention",
+                     "decode attention": "decode_attention"}
+    for role, kind in kinds.items():
+        r = rows[role]
+        assert 0 < r["best_cycles"] <= r["default_cycles"]
+        bests = []
+        for method in ("model", "random"):
+            (run,) = r["runs"][method]
+            curve = run["curve"]
+            # one point per measured trial, up to the budget (a small space runs out)
+            assert len(curve) == run["trials"] <= trials
+            assert len(curve) == min(trials, r["space"])
+            assert curve[0] == run["default_cycles"] == r["default_cycles"]
+            assert all(b <= a for a, b in zip(curve, curve[1:]))
+            assert curve[-1] == run["best_cycles"] == run["remeasured_cycles"]
+            bests.append(run["best_cycles"])
+            (n,) = r["trials_to_5pct"][method]
+            assert n == bench.trials_to(curve, 1.05 * r["best_cycles"])
+            assert 1 <= n <= len(curve)
+        assert r["best_cycles"] == min(bests)
+        if r["default_cycles"] <= 1.05 * r["best_cycles"]:      # nothing to search
+            assert r["goal_met"] is None and r["trials_to_5pct"] == {"model": [1],
+                                                                     "random": [1]}
+
+
+def test_trials_to_and_medians(monkeypatch):
+    bench = _benchmark_main(monkeypatch)
+    curve = [100, 100, 90, 80, 80]
+    assert bench.trials_to(curve, 84.0) == 4
+    assert bench.trials_to(curve, 100) == 1
+    assert bench.trials_to(curve, 79) is None
+    assert bench.median_trials([3, None, 5]) == 5            # never counts as infinity
+    assert math.isinf(bench.median_trials([None, None, 5]))
