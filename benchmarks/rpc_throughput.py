@@ -181,20 +181,29 @@ def main(argv=None) -> int:
             for _ in range(n_jobs)]
     print(f"{n_jobs} jobs, each {len(program.commands) - 3} MMAs of 512x512x512; "
           f"{os.cpu_count()} CPUs")
-    print(f"{'servers':>7} {'wall_s':>7} {'jobs/s':>7} {'used':>5} {'emu_s/job':>9} {'wrong':>5}")
+    return compare(
+        args, lambda n: measure(n, jobs),
+        f"{'servers':>7} {'wall_s':>7} {'jobs/s':>7} {'used':>5} {'emu_s/job':>9} {'wrong':>5}",
+        lambda r: f"{r['servers']:>7} {r['wall_s']:>7} {r['jobs_per_s']:>7} "
+                  f"{r['servers_used']:>5} {r['emulator_s_per_job']:>9} {r['wrong_results']:>5}",
+        "throughput", "an output differs from numpy", {})
+
+
+def compare(args, measure_one, header: str, line, what: str, wrong: str, extra: dict) -> int:
+    """Measure with 1 and ``args.servers`` servers, print the rows and the ratio, write
+    the JSON; 1 when a row has a wrong result."""
+    print(header)
     rows = []
     for n in (1, args.servers):
-        r = measure(n, jobs)
-        rows.append(r)
-        print(f"{r['servers']:>7} {r['wall_s']:>7} {r['jobs_per_s']:>7} {r['servers_used']:>5} "
-              f"{r['emulator_s_per_job']:>9} {r['wrong_results']:>5}", flush=True)
+        rows.append(measure_one(n))
+        print(line(rows[-1]), flush=True)
     speedup = rows[1]["jobs_per_s"] / rows[0]["jobs_per_s"]
-    print(f"throughput with {args.servers} servers / 1 server: {speedup:.2f}x")
+    print(f"{what} with {args.servers} servers / 1 server: {speedup:.2f}x")
     if args.json:
-        write_json(args.json, {"rows": rows, "speedup": round(speedup, 3),
+        write_json(args.json, {**extra, "rows": rows, "speedup": round(speedup, 3),
                                "cpus": os.cpu_count()})
     if any(r["wrong_results"] for r in rows):
-        print("WRONG RESULT: an output differs from numpy", file=sys.stderr)
+        print(f"WRONG RESULT: {wrong}", file=sys.stderr)
         return 1
     return 0
 
@@ -203,22 +212,13 @@ def main_tuner(args) -> int:
     trials = args.jobs or (32 if args.quick else 96)
     print(f"tuner: {trials} candidates of the bundled example's decode kernels, batches of "
           f"{4 * args.servers}; {os.cpu_count()} CPUs")
-    print(f"{'servers':>7} {'wall_s':>7} {'cand/min':>8} {'failed':>6} {'wrong':>5}")
-    rows = []
-    for n in (1, args.servers):
-        r = measure_tuner(n, trials, 4 * args.servers)
-        rows.append(r)
-        print(f"{r['servers']:>7} {r['wall_s']:>7} {r['candidates_per_min']:>8} "
-              f"{r['failed']:>6} {r['wrong_results']:>5}", flush=True)
-    speedup = rows[1]["jobs_per_s"] / rows[0]["jobs_per_s"]
-    print(f"candidates per minute with {args.servers} servers / 1 server: {speedup:.2f}x")
-    if args.json:
-        write_json(args.json, {"mode": "tuner", "rows": rows, "speedup": round(speedup, 3),
-                               "cpus": os.cpu_count()})
-    if any(r["wrong_results"] for r in rows):
-        print("WRONG RESULT: a logged measurement differs from a local one", file=sys.stderr)
-        return 1
-    return 0
+    return compare(
+        args, lambda n: measure_tuner(n, trials, 4 * args.servers),
+        f"{'servers':>7} {'wall_s':>7} {'cand/min':>8} {'failed':>6} {'wrong':>5}",
+        lambda r: f"{r['servers']:>7} {r['wall_s']:>7} {r['candidates_per_min']:>8} "
+                  f"{r['failed']:>6} {r['wrong_results']:>5}",
+        "candidates per minute", "a logged measurement differs from a local one",
+        {"mode": "tuner"})
 
 
 if __name__ == "__main__":
