@@ -172,8 +172,10 @@ _FORKED = None          # (compiler, tasks by workload, profile) inherited by th
 
 class ForkMeasurer:
     """``workers`` forked processes, each lowering and running its candidates. A candidate
-    past ``timeout`` seconds is a failed trial; the pool is then stopped (the hung worker
-    with it) and forked again for the next batch."""
+    past ``timeout`` seconds is a failed trial (the i-th of a batch is given until
+    ``timeout * (i // workers + 1)`` after the batch started: the candidates queued before
+    it take their turn first); the pool is then stopped (the hung worker with it) and
+    forked again for the next batch."""
 
     def __init__(self, mc, tasks, profile, workers: int, timeout: float):
         self.state = (mc, {t.workload: t for t in tasks}, profile)
@@ -191,20 +193,32 @@ class ForkMeasurer:
     def measure(self, task, batch: list) -> list:
         import multiprocessing as mp
         pool = self._start()
-        pending = [pool.apply_async(_fork_run, (task.workload, kn)) for kn in batch]
-        out, hung = [], False
-        t0 = time.time()
-        for r in pending:
-            try:
-                out.append(r.get(timeout=self.timeout))
-            except mp.TimeoutError:
-                hung = True
-                out.append((TimeoutError(f"no result after {self.timeout:g} s"),
-                            time.time() - t0))
-            except Exception as e:                     # noqa: BLE001
-                out.append((e, time.time() - t0))
-        if hung:
-            self.close()
+        out: list = [None] * len(batch)
+        todo = list(range(len(batch)))
+        while todo:
+            pending = [(i, pool.apply_async(_fork_run, (task.workload, batch[i])))
+                       for i in todo]
+            t0, todo = time.time(), []
+            for n, (i, r) in enumerate(pending):
+                # the n-th starts once the workers are through the ones before it
+                deadline = t0 + self.timeout * (n // self.workers + 1)
+                try:
+                    out[i] = r.get(timeout=max(0.0, deadline - time.time()))
+                except mp.TimeoutError:
+                    # a hung candidate: it fails; those queued behind it that never got
+                    # a worker go to a fresh pool (the hung worker is stopped with this one)
+                    out[i] = (TimeoutError(f"no result after {self.timeout:g} s"),
+                              time.time() - t0)
+                    todo = [j for j, q in pending[n + 1:] if not q.ready()]
+                    for j, q in pending[n + 1:]:
+                        if q.ready():
+                            out[j] = _result(q, t0)
+                    self.close()
+                    if todo:
+                        pool = self._start()
+                    break
+                except Exception as e:                 # noqa: BLE001
+                    out[i] = (e, time.time() - t0)
         return out
 
     def close(self) -> None:
@@ -212,6 +226,13 @@ class ForkMeasurer:
             self.pool.terminate()
             self.pool.join()
             self.pool = None
+
+
+def _result(r, t0):
+    try:
+        return r.get(timeout=0)
+    except Exception as e:                             # noqa: BLE001
+        return (e, time.time() - t0)
 
 
 def _fork_init() -> None:

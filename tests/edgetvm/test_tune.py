@@ -378,3 +378,26 @@ def test_run_an_onnx_file_with_a_tuning_log(tuned, tmp_path, monkeypatch, capsys
 def load_artifact_manifest(path) -> dict:
     with zipfile.ZipFile(path) as z:
         return json.loads(z.read("manifest.json"))
+
+
+def test_candidates_queued_behind_a_hung_one_are_measured_not_failed(mc, monkeypatch):
+    """One worker, a batch whose first candidate hangs: it fails at the timeout, the two
+    queued behind it (which never got the worker) run on a fresh pool."""
+    import time as _time
+
+    import edgetvm.tune.measure as measure_mod
+    from edgetvm.tune.measure import ForkMeasurer
+
+    def fake(mc_, task, knobs, emulator):
+        if knobs.get("hang"):
+            _time.sleep(60)
+        return ("measured", knobs["n"]), 0.0
+    monkeypatch.setattr(measure_mod, "_lower_and_run", fake)
+    tasks = extract_tasks(mc, [("decode", 1, 1)])
+    fm = ForkMeasurer(mc, tasks, "performance", 1, timeout=3)
+    try:
+        out = fm.measure(tasks[0], [{"hang": True, "n": 0}, {"n": 1}, {"n": 2}])
+    finally:
+        fm.close()
+    assert isinstance(out[0][0], TimeoutError)
+    assert [o[0] for o in out[1:]] == [("measured", 1), ("measured", 2)]
