@@ -401,3 +401,23 @@ def test_candidates_queued_behind_a_hung_one_are_measured_not_failed(mc, monkeyp
         fm.close()
     assert isinstance(out[0][0], TimeoutError)
     assert [o[0] for o in out[1:]] == [("measured", 1), ("measured", 2)]
+
+
+def test_the_shipped_log_of_the_bundled_example_replays():
+    """tuning_logs/llama_tiny_with_past matches this edgetvm (model, spec, profile,
+    versions): the README's replay works on a clean clone; retune it when a key changes.
+    Its knobs cover the decode program's kernels and do not make it slower."""
+    from edgetvm.tune.cli import DEFAULT_MODEL, program_counters
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    d = str(repo / "tuning_logs" / "llama_tiny_with_past")
+    spec = load_spec("edge-npu-16mb")
+    replay = Replay(d, log_context(DEFAULT_MODEL, spec, None, None))
+    tuned = ModelCompiler(DEFAULT_MODEL, max_rows=16, knobs_for=replay)
+    plain = ModelCompiler(DEFAULT_MODEL, max_rows=16)
+    key = ("decode", 1, 64)
+    t, p = program_counters(tuned, key), program_counters(plain, key)
+    g = plain.graph(*key)
+    knobbed = [grp for grp in plain.partition(g) if g.ops[grp[0]].kind != "kv_append"]
+    assert len(replay.used) >= 0.9 * len({plain.kernels.kernel(g, grp).key
+                                          for grp in knobbed})
+    assert t.total_cycles <= p.total_cycles
