@@ -69,10 +69,12 @@ def chain_program(kernels: list, graph, spec, copies: int = 1, prefetch: bool = 
     return linker.build()
 
 
-def run_twice(emulator, program, params) -> tuple:
-    """Counters of two back-to-back runs on one timeline."""
+def run_twice(emulator, program, params, cycle_limit: float | None = None) -> tuple:
+    """Counters of two back-to-back runs on one timeline (each stopped with
+    ``CycleLimitExceeded`` past ``cycle_limit`` cycles)."""
     clock = emulator.timeline()
-    return clock.run(program, {}, params).counters, clock.run(program, {}, params).counters
+    return tuple(clock.run(program, {}, params, cycle_limit=cycle_limit).counters
+                 for _ in range(2))
 
 
 def run_steady(emulator, program, params):

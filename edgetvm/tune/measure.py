@@ -3,8 +3,10 @@ processes, or on emulator servers behind a TVM RPC tracker.
 
 A measurer takes one task's knob sets and returns, per candidate, ``(result, wall_s)``:
 result is a :class:`Measurement`, a :class:`CandidateRejected` (it does not lower: TCM
-overflow, knobs the template refuses; never run) or another exception (a failed trial:
-an error, a timeout, a lost server; the tuner goes on).
+overflow, knobs the template refuses; never run), :class:`TooSlow` (stopped once it cost
+``slow_after`` cycles: the tuner passes a multiple of the task's best, so that a hopeless
+tile does not emulate for minutes) or another exception (a failed trial: an error, a
+timeout, a lost server; the tuner goes on).
 
 The measured cost is the kernel's cost **in context**
 (:func:`~edgetvm.build.measure.measure_in_context`): the steady state (the second of two
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 from edgetvm.build.graph import BuildError
 from edgetvm.errors import CandidateRejected
-from edgetvm.target.emulator import Emulator
+from edgetvm.target.emulator import CycleLimitExceeded, Emulator
 from edgetvm.target.emulator.power import MIN_SCALE
 
 from edgetvm.build.measure import context_programs, measurement_params, run_twice
@@ -110,17 +112,35 @@ def in_context(with_it, without) -> Measurement:
                        float(get(with_it, "min_clock_scale")))
 
 
-def measure_candidate(mc, task, knobs, emulator) -> Measurement:
-    """Lower and measure one candidate in this process (raises CandidateRejected)."""
+class TooSlow(Exception):
+    """A candidate stopped once it had cost ``cycles`` (more than ``slow_after``): far
+    slower than the best, its exact figure is not worth the emulation time."""
+
+    def __init__(self, cycles: int):
+        super().__init__(f"stopped: slower than {cycles:,} cycles in context")
+        self.cycles = cycles
+
+
+def measure_candidate(mc, task, knobs, emulator, slow_after: int | None = None
+                      ) -> Measurement:
+    """Lower and measure one candidate in this process (raises CandidateRejected, and
+    TooSlow once it has cost ``slow_after`` cycles)."""
     job = lower_candidate(mc, task, knobs)
-    return in_context(_steady_local(emulator, job.program, job.params),
-                      _neighbours_alone(task, job, emulator))
+    alone = _neighbours_alone(task, job, emulator)
+    limit = None
+    if slow_after is not None:
+        limit = slow_after + (0 if alone is None else alone["total_cycles"])
+    try:
+        chain = _steady_local(emulator, job.program, job.params, limit)
+    except CycleLimitExceeded:
+        raise TooSlow(int(slow_after)) from None
+    return in_context(chain, alone)
 
 
-def _steady_local(emulator, program, params) -> dict:
+def _steady_local(emulator, program, params, cycle_limit=None) -> dict:
     """The figures :func:`_steady` gives a runner's two programs, from two runs on one
     timeline: cycles and bytes of the second run, peak power and lowest clock of both."""
-    a, b = run_twice(emulator, program, params)
+    a, b = run_twice(emulator, program, params, cycle_limit)
     out = {k: getattr(b, k) for k in ("total_cycles", "dram_read_bytes", "dram_write_bytes")}
     out["peak_power_mw"] = max(a.peak_power_mw, b.peak_power_mw)
     out["min_clock_scale"] = min(a.min_clock_scale, b.min_clock_scale)
@@ -141,12 +161,14 @@ def _neighbours_alone(task, job, emulator):
     return _ALONE[key][1]
 
 
-def _lower_and_run(mc, task, knobs, emulator):
+def _lower_and_run(mc, task, knobs, emulator, slow_after=None):
     t0 = time.time()
     try:
-        res = measure_candidate(mc, task, knobs, emulator)
+        res = measure_candidate(mc, task, knobs, emulator, slow_after)
     except CandidateRejected as e:
         res = CandidateRejected(str(e))
+    except TooSlow as e:
+        res = e
     except Exception as e:                             # noqa: BLE001 - a failed trial
         res = RuntimeError(f"{type(e).__name__}: {e}")
     return res, time.time() - t0
@@ -160,8 +182,8 @@ class LocalMeasurer:
         self.mc = mc
         self.emulator = Emulator(mc.spec, profile)
 
-    def measure(self, task, batch: list) -> list:
-        return [_lower_and_run(self.mc, task, kn, self.emulator) for kn in batch]
+    def measure(self, task, batch: list, slow_after: int | None = None) -> list:
+        return [_lower_and_run(self.mc, task, kn, self.emulator, slow_after) for kn in batch]
 
     def close(self) -> None:
         pass
@@ -190,13 +212,13 @@ class ForkMeasurer:
             self.pool = mp.get_context("fork").Pool(self.workers, initializer=_fork_init)
         return self.pool
 
-    def measure(self, task, batch: list) -> list:
+    def measure(self, task, batch: list, slow_after: int | None = None) -> list:
         import multiprocessing as mp
         pool = self._start()
         out: list = [None] * len(batch)
         todo = list(range(len(batch)))
         while todo:
-            pending = [(i, pool.apply_async(_fork_run, (task.workload, batch[i])))
+            pending = [(i, pool.apply_async(_fork_run, (task.workload, batch[i], slow_after)))
                        for i in todo]
             t0, todo = time.time(), []
             for n, (i, r) in enumerate(pending):
@@ -240,9 +262,9 @@ def _fork_init() -> None:
     _EMU = Emulator(_FORKED[0].spec, _FORKED[2])
 
 
-def _fork_run(workload: str, knobs):
+def _fork_run(workload: str, knobs, slow_after=None):
     mc, tasks, _ = _FORKED
-    return _lower_and_run(mc, tasks[workload], knobs, _EMU)
+    return _lower_and_run(mc, tasks[workload], knobs, _EMU, slow_after)
 
 
 _EMU = None
@@ -257,7 +279,8 @@ class RunnerMeasurer:
         self.mc, self.runner, self.profile = mc, runner, profile
         self._alone: dict = {}       # task workload -> steady counters of the neighbours
 
-    def measure(self, task, batch: list) -> list:
+    def measure(self, task, batch: list, slow_after: int | None = None) -> list:
+        """(``slow_after`` is not applied: a server runs every candidate to its end.)"""
         from edgetvm.runner import RunJob
         t0 = time.time()
         lowered, runs = [], []

@@ -50,10 +50,14 @@ from edgetvm.errors import CandidateRejected, EdgeTVMError
 
 from .cost_model import CostModel, features
 from .log import FAILED, OK, OVER_BUDGET, REJECTED, Record, canonical_knobs
-from .measure import LocalMeasurer
+from .measure import LocalMeasurer, TooSlow
 
 log = logging.getLogger("edgetvm")
 
+
+#: a candidate is stopped once it costs this many times the task's best so far (failed,
+#: with that lower bound as its cycles)
+SLOW = 4
 
 #: the note on a baseline record whose default knobs break the budget themselves
 DEFAULTS_OVER = "defaults over budget"
@@ -148,14 +152,16 @@ class Tuner:
         by_w = {s.task.workload: s for s in self.states}
         for r in recs:
             s = by_w.get(r.workload)
-            if r.status in (OK, OVER_BUDGET) and s is not None and s.default_cycles:
+            if s is not None and s.default_cycles and r.cycles and \
+                    (r.status in (OK, OVER_BUDGET) or (r.error or "").startswith("stopped")):
                 self.model.add(features(s.task, r.knobs, self.mc.spec), r.cycles,
                                s.default_cycles)
 
     # -- measuring -------------------------------------------------------------------------
-    def _record(self, task, knobs, status, *, m=None, error=None, wall_s=0.0) -> Record:
+    def _record(self, task, knobs, status, *, m=None, error=None, wall_s=0.0,
+                cycles=None) -> Record:
         rec = Record(self.ctx, task.workload, task.kind, task.name, knobs, status,
-                     cycles=m.cycles if m else None, error=error,
+                     cycles=m.cycles if m else cycles, error=error,
                      dram_bytes=m.dram_bytes if m else None,
                      peak_power_mw=round(m.peak_power_mw, 3) if m else None, wall_s=wall_s,
                      neighbours=task.context)
@@ -173,10 +179,18 @@ class Tuner:
 
     def _measure_batch(self, state, batch: list, default: bool = False) -> list:
         """Records of ``batch`` (knob sets of one task); each is in the log before this
-        returns. ``default``: the batch is the task's default knobs (the baseline)."""
+        returns. ``default``: the batch is the task's default knobs (the baseline,
+        measured to its end; others stop at :data:`SLOW` x the task's best)."""
         out = []
-        for kn, (res, wall) in zip(batch, self.measurer.measure(state.task, batch)):
-            if isinstance(res, CandidateRejected):
+        ref = state.best_cycles or state.default_cycles
+        slow_after = None if default or not ref else int(SLOW * ref)
+        for kn, (res, wall) in zip(batch, self.measurer.measure(state.task, batch,
+                                                                slow_after=slow_after)):
+            if isinstance(res, TooSlow):
+                # a lower bound: failed, but the cost model learns that it is slow
+                out.append(self._record(state.task, kn, FAILED, wall_s=wall,
+                                        error=str(res), cycles=res.cycles))
+            elif isinstance(res, CandidateRejected):
                 out.append(self._record(state.task, kn, REJECTED, error=str(res)[:500],
                                         wall_s=wall))
             elif isinstance(res, BaseException):

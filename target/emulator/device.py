@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from edgetvm.errors import InvalidProgramError
+from edgetvm.errors import EdgeTVMError, InvalidProgramError
 
 from ..host_ops import HOST_OPS
 from ..isa import (ITEMSIZE, DmaLoad, DmaStore, End, EventSignal, EventWait, HostOp, Launch,
@@ -249,12 +249,18 @@ class Timeline:
         self.min_scale = 1.0
 
     def run(self, program: Program, inputs: dict | None = None, params: dict | None = None,
-            trace: bool = False) -> RunResult:
+            trace: bool = False, cycle_limit: float | None = None) -> RunResult:
+        """Run ``program`` after whatever ran on this timeline before. ``cycle_limit``:
+        stop with :class:`CycleLimitExceeded` once the run has taken that many cycles (a
+        search's candidate that is already far slower than the best; the timeline is
+        then mid-run and not to be used again)."""
         emu = self.emu
         steps = emu._plan_for(program)
         params = emu._check_params(program, params or {})
         dram = emu._bind_dram(program, inputs or {})
-        return _Run(self, program, steps, dram, params, trace).execute()
+        run = _Run(self, program, steps, dram, params, trace)
+        run.limit = None if cycle_limit is None else self.now + float(cycle_limit)
+        return run.execute()
 
     def counters(self, start: float = 0.0) -> dict:
         """Time, energy and peak windowed power of the timeline since ``start``."""
@@ -312,6 +318,14 @@ class _Activity:
         return clock.scale
 
 
+class CycleLimitExceeded(EdgeTVMError):
+    """A run passed the ``cycle_limit`` it was given (:meth:`Timeline.run`)."""
+
+    def __init__(self, program: str, limit: float):
+        super().__init__(f"{program}: over {limit:,.0f} cycles, stopped")
+        self.limit = limit
+
+
 class _Run:
     """One execution of one program on a timeline (the discrete-event loop)."""
 
@@ -324,6 +338,7 @@ class _Run:
         self.names = [s.name for s in steps]
         self.hazards = HazardChecker(emu.units)
         self.t0 = clock.now
+        self.limit: float | None = None        # absolute time to stop at (Timeline.run)
         self.unit_free = {u: clock.now for u in emu.units}
         self.active: dict = {}                 # unit -> _Activity
         self._cached = None                    # see _load
@@ -424,6 +439,8 @@ class _Run:
             queues[self.steps[i].unit].append(i)
         queues = {u: q for u, q in queues.items() if q}
         while queues or self.active:
+            if self.limit is not None and self.clock.now > self.limit:
+                raise CycleLimitExceeded(self.program.name, self.limit - self.t0)
             best = None
             for u, q in queues.items():
                 if u in self.active:
