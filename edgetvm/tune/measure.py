@@ -112,12 +112,16 @@ def in_context(with_it, without) -> Measurement:
                        float(get(with_it, "min_clock_scale")))
 
 
+#: how the error of a stopped candidate's record begins
+STOPPED = "stopped"
+
+
 class TooSlow(Exception):
     """A candidate stopped once it had cost ``cycles`` (more than ``slow_after``): far
     slower than the best, its exact figure is not worth the emulation time."""
 
     def __init__(self, cycles: int):
-        super().__init__(f"stopped: slower than {cycles:,} cycles in context")
+        super().__init__(f"{STOPPED}: slower than {cycles:,} cycles in context")
         self.cycles = cycles
 
 

@@ -50,7 +50,7 @@ from edgetvm.errors import CandidateRejected, EdgeTVMError
 
 from .cost_model import CostModel, features
 from .log import FAILED, OK, OVER_BUDGET, REJECTED, Record, canonical_knobs
-from .measure import LocalMeasurer, TooSlow
+from .measure import STOPPED, LocalMeasurer, TooSlow
 
 log = logging.getLogger("edgetvm")
 
@@ -153,7 +153,7 @@ class Tuner:
         for r in recs:
             s = by_w.get(r.workload)
             if s is not None and s.default_cycles and r.cycles and \
-                    (r.status in (OK, OVER_BUDGET) or (r.error or "").startswith("stopped")):
+                    (r.status in (OK, OVER_BUDGET) or (r.error or "").startswith(STOPPED)):
                 self.model.add(features(s.task, r.knobs, self.mc.spec), r.cycles,
                                s.default_cycles)
 
