@@ -26,9 +26,11 @@ there gives 1.00x by construction.
 
 Candidates are measured in one forked worker with the tuner's timeout (``--timeout``,
 default 10 s): a candidate past it is a failed trial, as in ``python -m edgetvm.tune``.
-Random points of a prefill MLP's space emulate for up to minutes (tiny tiles, millions of
-commands, 100x the default's cycles); none of them is near the best, so the limit changes
-no curve, only the wall time (and the model does not learn from them).
+The tuner itself stops a candidate once it has cost 4x the task's best (a failed trial
+with that lower bound, which the cost model learns from); random points of a prefill
+MLP's space (tiny tiles, millions of commands, 100x the default's cycles) otherwise
+emulate for minutes. None of them is near the best, so neither limit changes a curve,
+only the wall time. (The figures in README were measured before the 4x stop existed.)
 
 A space so small that random sampling finds the best in a few trials says little: the
 table prints each space's size.
