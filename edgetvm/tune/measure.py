@@ -78,6 +78,11 @@ class Job:
 def lower_candidate(mc, task, knobs, copies: int = 1) -> Job:
     """Lower ``knobs`` of ``task`` with compiler ``mc`` into its measuring programs (the
     chains ``copies`` times over); raises CandidateRejected."""
+    return chain_job(mc, task, lower_kernel(mc, task, knobs), copies)
+
+
+def lower_kernel(mc, task, knobs):
+    """The candidate's kernel (raises CandidateRejected; another error: RuntimeError)."""
     try:
         k = mc.kernels.kernel(task.graph, list(task.group), knobs=knobs)
     except BuildError as e:
@@ -86,6 +91,11 @@ def lower_candidate(mc, task, knobs, copies: int = 1) -> Job:
         raise
     except Exception as e:                             # noqa: BLE001 - a failed trial
         raise RuntimeError(f"lowering: {type(e).__name__}: {e}") from None
+    return k
+
+
+def chain_job(mc, task, k, copies: int = 1) -> Job:
+    """The measuring programs of kernel ``k`` of ``task``: chains ``copies`` times over."""
     before, after = task.context_kernels(mc)
     with_it, without = context_programs(k, before, after, task.graph, mc.spec, copies)
     params = measurement_params(with_it, task.graph, mc.layout)
@@ -289,13 +299,13 @@ class RunnerMeasurer:
         t0 = time.time()
         lowered, runs = [], []
         for kn in batch:
-            try:
-                j = lower_candidate(self.mc, task, kn)
+            try:                  # the kernel lowered once, linked once and twice
+                k = lower_kernel(self.mc, task, kn)
+                j, twice = (chain_job(self.mc, task, k, c) for c in (1, 2))
             except Exception as e:                     # noqa: BLE001 - rejected or failed
                 lowered.append(e)
                 continue
             lowered.append(len(runs))
-            twice = lower_candidate(self.mc, task, kn, copies=2)
             runs += [RunJob(j.program, {}, j.params, self.profile),
                      RunJob(twice.program, {}, twice.params, self.profile)]
             if self._alone.get(task.workload) is None and j.without is not None:
