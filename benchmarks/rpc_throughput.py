@@ -132,7 +132,8 @@ def measure(n_servers: int, jobs: list) -> dict:
 
 def measure_tuner(n_servers: int, trials: int, batch: int) -> dict:
     """The tuner measuring ``trials`` candidates of the bundled example's decode program
-    on the tracker's servers; every logged measurement is checked against a local one."""
+    on the tracker's servers, lowered by as many local processes (``--workers``); every
+    seventh logged measurement is checked against a local one."""
     from edgetvm.build.compiler import ModelCompiler
     from edgetvm.target.emulator import Emulator
     from edgetvm.tune.cli import tune
@@ -147,7 +148,7 @@ def measure_tuner(n_servers: int, trials: int, batch: int) -> dict:
         t0 = time.perf_counter()
         rep = tune(model, phases=phases, trials=trials, log_dir=d, batch=batch,
                    rpc_tracker=f"127.0.0.1:{tport}", rpc_key=KEY, validate=False,
-                   progress=False, seed=0)
+                   progress=False, seed=0, workers=n_servers)
         wall = time.perf_counter() - t0
         recs = TuningLog(d).records()
     mc = ModelCompiler(model)

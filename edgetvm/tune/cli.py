@@ -116,7 +116,7 @@ def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
         runner = connect(f"tracker://{rpc_tracker}/{rpc_key or DEFAULT_KEY}", spec=mc.spec,
                          max_workers=workers if workers > 1 else None,
                          call_timeout=timeout)
-        return RunnerMeasurer(mc, runner, profile)
+        return RunnerMeasurer(mc, runner, profile, tasks, lower_workers=workers)
     if workers > 1:
         return ForkMeasurer(mc, tasks, profile, workers, timeout)
     return LocalMeasurer(mc, profile)
@@ -146,7 +146,8 @@ def main(argv=None) -> int:
                     help="tuning log directory (default tuning_logs/)")
     ap.add_argument("--workers", type=int, default=1, metavar="N",
                     help="local emulator processes measuring in parallel; with "
-                         "--rpc-tracker, servers used at once (default: every free one)")
+                         "--rpc-tracker, local processes lowering candidates and servers "
+                         "used at once (default 1: every free server, lowering here)")
     ap.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
                     help="measure on the emulator servers of this TVM RPC tracker")
     ap.add_argument("--rpc-key", default=None, metavar="KEY",

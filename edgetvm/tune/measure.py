@@ -28,6 +28,7 @@ emulator would leave most of the work serial.)
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -286,25 +287,37 @@ _EMU = None
 
 class RunnerMeasurer:
     """An ``edgetvm.runner`` (``tracker://HOST:PORT/KEY``, ``rpc://``...): candidates are
-    lowered here, each run twice (the kernel once and twice), spread over the runner's
-    servers by ``run_many``."""
+    lowered here (by ``lower_workers`` forked processes when more than one: lowering is
+    most of a candidate's time, so servers alone would wait on it), each run twice (the
+    chain once and twice), spread over the runner's servers by ``run_many``."""
 
-    def __init__(self, mc, runner, profile):
+    def __init__(self, mc, runner, profile, tasks=(), lower_workers: int = 1):
         self.mc, self.runner, self.profile = mc, runner, profile
         self._alone: dict = {}       # task workload -> steady counters of the neighbours
+        self.lower_workers = int(lower_workers)
+        self._state = (mc, {t.workload: t for t in tasks}, profile)
+        self.pool = None
+
+    def _lower_all(self, task, batch: list) -> list:
+        if self.lower_workers <= 1:
+            return [_lower_chains(self.mc, task, kn) for kn in batch]
+        global _FORKED
+        if self.pool is None:
+            import multiprocessing as mp
+            _FORKED = self._state
+            self.pool = mp.get_context("fork").Pool(self.lower_workers)
+        return self.pool.starmap(_fork_lower, [(task.workload, kn) for kn in batch])
 
     def measure(self, task, batch: list, slow_after: int | None = None) -> list:
         """(``slow_after`` is not applied: a server runs every candidate to its end.)"""
         from edgetvm.runner import RunJob
         t0 = time.time()
         lowered, runs = [], []
-        for kn in batch:
-            try:                  # the kernel lowered once, linked once and twice
-                k = lower_kernel(self.mc, task, kn)
-                j, twice = (chain_job(self.mc, task, k, c) for c in (1, 2))
-            except Exception as e:                     # noqa: BLE001 - rejected or failed
-                lowered.append(e)
+        for pair in self._lower_all(task, batch):
+            if isinstance(pair, BaseException):        # rejected or failed
+                lowered.append(pair)
                 continue
+            j, twice = pair
             lowered.append(len(runs))
             runs += [RunJob(j.program, {}, j.params, self.profile),
                      RunJob(twice.program, {}, twice.params, self.profile)]
@@ -330,7 +343,27 @@ class RunnerMeasurer:
         return out
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
         self.runner.close()
+
+
+def _lower_chains(mc, task, knobs):
+    """(chain once, chain twice) Jobs of a candidate, its kernel lowered once; or the
+    exception (CandidateRejected: does not lower; another: a failed trial)."""
+    try:
+        k = lower_kernel(mc, task, knobs)
+        return tuple(dataclasses.replace(chain_job(mc, task, k, c), kernel=None, graph=None)
+                     for c in (1, 2))
+    except Exception as e:                             # noqa: BLE001
+        return e
+
+
+def _fork_lower(workload: str, knobs):
+    mc, tasks, _ = _FORKED
+    return _lower_chains(mc, tasks[workload], knobs)
 
 
 def _steady(once, twice):

@@ -32,12 +32,14 @@ def tracker():
         stop(procs)
 
 
-@pytest.mark.parametrize("profile", ["performance", "low-battery"])
-def test_tracker_measures_what_a_local_run_measures(tracker, tmp_path, profile):
+@pytest.mark.parametrize("profile,workers", [("performance", 1), ("low-battery", 1),
+                                             ("performance", 2)])
+def test_tracker_measures_what_a_local_run_measures(tracker, tmp_path, profile, workers):
+    """... with candidates lowered here, or by ``workers`` forked processes."""
     d = str(tmp_path / "log")
     rep = tune(LLAMA, buckets=(16,), max_tokens=64, phases=["prefill_16x4p", "decode_1x4p"],
                trials=24, log_dir=d, rpc_tracker=f"127.0.0.1:{tracker}", rpc_key=KEY,
-               profile=profile, progress=False, seed=2)
+               profile=profile, progress=False, seed=2, workers=workers)
     assert rep["measured"] == 24
     recs = [r for r in TuningLog(d).records() if r.status in (OK, OVER_BUDGET)]
     assert len(recs) == 24
