@@ -132,8 +132,11 @@ class TooSlow(Exception):
     slower than the best, its exact figure is not worth the emulation time."""
 
     def __init__(self, cycles: int):
-        super().__init__(f"{STOPPED}: slower than {cycles:,} cycles in context")
-        self.cycles = cycles
+        super().__init__(int(cycles))       # args = (cycles,): it pickles back to itself
+        self.cycles = int(cycles)
+
+    def __str__(self) -> str:
+        return f"{STOPPED}: slower than {self.cycles:,} cycles in context"
 
 
 def measure_candidate(mc, task, knobs, emulator, slow_after: int | None = None
@@ -357,8 +360,10 @@ def _lower_chains(mc, task, knobs):
         k = lower_kernel(mc, task, knobs)
         return tuple(dataclasses.replace(chain_job(mc, task, k, c), kernel=None, graph=None)
                      for c in (1, 2))
-    except Exception as e:                             # noqa: BLE001
-        return e
+    except CandidateRejected as e:
+        return CandidateRejected(str(e))
+    except Exception as e:                             # noqa: BLE001 - one that pickles
+        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def _fork_lower(workload: str, knobs):

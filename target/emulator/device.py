@@ -322,8 +322,11 @@ class CycleLimitExceeded(EdgeTVMError):
     """A run passed the ``cycle_limit`` it was given (:meth:`Timeline.run`)."""
 
     def __init__(self, program: str, limit: float):
-        super().__init__(f"{program}: over {limit:,.0f} cycles, stopped")
-        self.limit = limit
+        super().__init__(program, limit)    # args as given: it pickles back to itself
+        self.program, self.limit = program, limit
+
+    def __str__(self) -> str:
+        return f"{self.program}: over {self.limit:,.0f} cycles, stopped"
 
 
 class _Run:

@@ -437,12 +437,19 @@ def test_a_candidate_far_slower_than_the_best_is_stopped_with_a_lower_bound(mc):
     with pytest.raises(TooSlow) as e:
         measure_candidate(mc, t, t.default_knobs, emu, slow_after=full.cycles // 2)
     assert e.value.cycles == full.cycles // 2
+    # it comes back from a worker process whole (an exception that does not unpickle
+    # kills the pool's result thread, and the tuner waits for ever)
+    import pickle
+    back = pickle.loads(pickle.dumps(e.value))
+    assert isinstance(back, TooSlow) and back.cycles == e.value.cycles
+    assert str(back) == str(e.value) and str(back).startswith("stopped")
     k = mc.kernels.kernel(t.graph, list(t.group))
     from edgetvm.build.measure import kernel_program, measurement_params
     prog = kernel_program(k, t.graph, mc.spec)
     params = measurement_params(prog, t.graph, mc.layout)
     whole = emu.run(prog, {}, params).counters.total_cycles
-    with pytest.raises(CycleLimitExceeded):
+    with pytest.raises(CycleLimitExceeded) as e:
         emu.timeline().run(prog, {}, params, cycle_limit=whole // 3)
+    assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)
     assert emu.timeline().run(prog, {}, params, cycle_limit=whole + 1).counters.total_cycles \
         == whole
