@@ -47,6 +47,27 @@ def test_best_per_workload_ignores_failures_and_breaks_ties_by_knobs():
     assert TuningLog.best(records[::-1])["w0"].knobs == {"tile_m": 2}
 
 
+def test_best_never_compares_cycles_of_different_measuring_contexts(tmp_path):
+    """Cycles in context depend on the neighbours: a record measured beside other kernels
+    (another selection of programs) is not compared; the context measured most wins."""
+    import dataclasses
+    a = [dataclasses.replace(rec(i, c), neighbours="aaaa") for i, c in ((1, 100), (2, 90),
+                                                                      (3, 95))]
+    b = [dataclasses.replace(rec(9, 10), neighbours="bbbb")]
+    assert TuningLog.best(a + b)["w0"].cycles == 90
+    assert TuningLog.best(b + a)["w0"].cycles == 90
+    # a version-1 record (measured alone) loads, in the context ""
+    with TuningLog(str(tmp_path / "log")) as tl:
+        tl.append(a[0])
+    line = json.loads((tmp_path / "log" / "records.jsonl").read_text())
+    assert line["neighbours"] == "aaaa"
+    line.update(v=1)
+    del line["neighbours"]
+    (tmp_path / "log" / "records.jsonl").write_text(json.dumps(line) + "\n")
+    (old,) = TuningLog(str(tmp_path / "log")).records()
+    assert old.neighbours == "" and old.cycles == 100
+
+
 def test_torn_last_line_is_skipped_with_a_warning_and_the_next_writer_ends_it(tmp_path, caplog):
     d = str(tmp_path / "log")
     with TuningLog(d) as tl:
