@@ -453,3 +453,17 @@ def test_a_candidate_far_slower_than_the_best_is_stopped_with_a_lower_bound(mc):
     assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)
     assert emu.timeline().run(prog, {}, params, cycle_limit=whole + 1).counters.total_cycles \
         == whole
+
+
+def test_the_shipped_smollm2_log_matches_the_export():
+    """tuning_logs/smollm2-135m was tuned on make_smollm2.sh's export: its context matches
+    that file and this edgetvm (skipped without the 540 MB export)."""
+    import os
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    root = os.environ.get("EDGETVM_SMOLLM2", str(repo.parent / "smollm2"))
+    model = os.path.join(root, "optimum_with_past", "model.onnx")
+    if not os.path.exists(model):
+        pytest.skip(f"no SmolLM2 export at {model}")
+    replay = Replay(str(repo / "tuning_logs" / "smollm2-135m"),
+                    log_context(model, load_spec("edge-npu-16mb"), "performance", None))
+    assert len(replay.best) >= 10
