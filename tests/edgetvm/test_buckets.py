@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import pathlib
 
 import numpy as np
 import pytest
+from bench_helpers import load_benchmark
 
 from edgetvm.buckets import (AnalyticLatency, BucketInputError, LatencyTable,
                              as_distribution, equal_width_buckets, evaluate_buckets,
@@ -253,13 +253,7 @@ def test_latency_table_file(tmp_path):
 
 
 def _benchmark_main(monkeypatch):
-    # run as `python benchmarks/buckets.py` runs it: with benchmarks/ first on the path
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    path = REPO / "benchmarks" / "buckets.py"
-    spec = importlib.util.spec_from_file_location("bench_buckets", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_benchmark(monkeypatch, "buckets").main
 
 
 def test_benchmark_says_where_latency_comes_from(tmp_path, capsys, monkeypatch):

@@ -1,22 +1,17 @@
 """benchmarks/search_efficiency.py in a tiny configuration: the tiny Llama, a few trials,
 one seed; its curves, trial counts and checks hold together."""
-import importlib.util
 import json
 import math
 import pathlib
+
+from bench_helpers import load_benchmark
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 LLAMA = str(REPO / "tests" / "data" / "llama_tiny_with_past.onnx")
 
 
 def _benchmark_main(monkeypatch):
-    # run as `python benchmarks/search_efficiency.py` runs it: benchmarks/ first on the path
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    path = REPO / "benchmarks" / "search_efficiency.py"
-    spec = importlib.util.spec_from_file_location("bench_search_efficiency", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(monkeypatch, "search_efficiency")
 
 
 def test_search_efficiency_benchmark_on_the_tiny_llama(tmp_path, capsys, monkeypatch):
