@@ -210,6 +210,22 @@ class LocalMeasurer:
 _FORKED = None          # (compiler, tasks by workload, profile) inherited by the workers
 
 
+def _fork_pool(state: tuple, workers: int, initializer=None):
+    """``workers`` processes forked now, inheriting ``state`` as :data:`_FORKED` (the
+    compiler, its phase graphs and weights: only knob sets and results cross a pipe)."""
+    global _FORKED
+    import multiprocessing as mp
+    _FORKED = state
+    return mp.get_context("fork").Pool(workers, initializer=initializer)
+
+
+def _stop_pool(pool) -> None:
+    """Stop a pool (and a hung worker with it)."""
+    if pool is not None:
+        pool.terminate()
+        pool.join()
+
+
 class ForkMeasurer:
     """``workers`` forked processes, each lowering and running its candidates. A candidate
     past ``timeout`` seconds is a failed trial (the i-th of a batch is given until
@@ -223,11 +239,8 @@ class ForkMeasurer:
         self.pool = None
 
     def _start(self):
-        global _FORKED
-        import multiprocessing as mp
         if self.pool is None:
-            _FORKED = self.state
-            self.pool = mp.get_context("fork").Pool(self.workers, initializer=_fork_init)
+            self.pool = _fork_pool(self.state, self.workers, _fork_init)
         return self.pool
 
     def measure(self, task, batch: list, slow_after: int | None = None) -> list:
@@ -262,10 +275,8 @@ class ForkMeasurer:
         return out
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
-            self.pool = None
+        _stop_pool(self.pool)
+        self.pool = None
 
 
 def _result(r, t0):
@@ -304,11 +315,8 @@ class RunnerMeasurer:
     def _lower_all(self, task, batch: list) -> list:
         if self.lower_workers <= 1:
             return [_lower_chains(self.mc, task, kn) for kn in batch]
-        global _FORKED
         if self.pool is None:
-            import multiprocessing as mp
-            _FORKED = self._state
-            self.pool = mp.get_context("fork").Pool(self.lower_workers)
+            self.pool = _fork_pool(self._state, self.lower_workers)
         return self.pool.starmap(_fork_lower, [(task.workload, kn) for kn in batch])
 
     def measure(self, task, batch: list, slow_after: int | None = None) -> list:
@@ -346,10 +354,8 @@ class RunnerMeasurer:
         return out
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
-            self.pool = None
+        _stop_pool(self.pool)
+        self.pool = None
         self.runner.close()
 
 
