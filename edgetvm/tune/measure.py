@@ -105,22 +105,20 @@ def chain_job(mc, task, k, copies: int = 1) -> Job:
     return Job(with_it, params, without, wparams, k, task.graph)
 
 
-def in_context(with_it, without) -> Measurement:
-    """The candidate's Measurement from the Counters (or counter dicts) of the chain with
-    it and of its neighbours alone (None: no neighbours). Peak power is the chain's.
-    A difference below one cycle (a kernel that costs nothing in context) counts as 1."""
-    def get(c, name):
-        return c[name] if isinstance(c, dict) else getattr(c, name)
-
+def in_context(with_it: dict, without: dict | None) -> Measurement:
+    """The candidate's Measurement from the steady figures (:func:`_steady_local`,
+    :func:`_steady`) of the chain with it and of its neighbours alone (None: no
+    neighbours). Peak power is the chain's. A difference below one cycle (a kernel that
+    costs nothing in context) counts as 1."""
     def total(c, names):
-        return 0 if c is None else sum(int(get(c, n)) for n in names)
+        return 0 if c is None else sum(int(c[n]) for n in names)
     cyc = ("total_cycles",)
     dram = ("dram_read_bytes", "dram_write_bytes")
     return Measurement(max(1, total(with_it, cyc) - total(without, cyc)),
                        total(with_it, dram) - total(without, dram),
-                       float(get(with_it, "peak_power_mw")),
-                       0.0 if without is None else float(get(without, "peak_power_mw")),
-                       float(get(with_it, "min_clock_scale")))
+                       float(with_it["peak_power_mw"]),
+                       0.0 if without is None else float(without["peak_power_mw"]),
+                       float(with_it["min_clock_scale"]))
 
 
 #: how the error of a stopped candidate's record begins
