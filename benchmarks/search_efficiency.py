@@ -8,8 +8,9 @@ once per method and seed, each run with a fresh tuning log:
 * decode GEMV chain: the decode cluster with the most (then the largest) matmuls, the MLP;
 * prefill MLP cluster: the same at the prefill bucket;
 * prefill attention, and decode attention at the largest KV capacity;
-* a partition task (cut points of the fusion): the tuner does not search them yet, so it
-  is reported as not available, never faked.
+* a partition task: the cut points of the prefill bucket's run of fusable ops with the
+  largest space (a layer's output projection, residual adds and MLP and the next layer's
+  norm and QKV projections; each candidate is that run's clusters linked in context).
 
 Methods: ``model`` (``use_model=True``: the XGBoost model ranks a pool before measuring)
 and ``random`` (``use_model=False``: the same pool -- random points plus the neighbours of
@@ -60,7 +61,7 @@ from pathlib import Path
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.tune.cli import log_context, make_measurer
 from edgetvm.tune.log import FAILED, OK, REJECTED, Replay, TuningLog, canonical_knobs
-from edgetvm.tune.tasks import extract_tasks
+from edgetvm.tune.tasks import extract_partition_tasks, extract_tasks
 from edgetvm.tune.tuner import Tuner
 from report import write_json
 from strategies import find_model
@@ -73,7 +74,6 @@ GOAL = 0.2             # model trials / random trials
 GAIN = 0.95            # the second target: 95 % of the way from the default to the best
 ROLES = ("decode GEMV chain", "prefill MLP cluster", "prefill attention",
          "decode attention", "partition")
-NO_PARTITION = "not available: the tuner does not search cut points yet"
 
 
 def weight_elems(task) -> int:
@@ -97,10 +97,10 @@ def pick_tasks(mc, decode_key, prefill_key) -> dict:
            "prefill MLP cluster": chain(pre, prefill_key[1]),
            "prefill attention": first(pre, "prefill_attention"),
            "decode attention": first(dec, "decode_attention")}
-    # a task whose kind is none of the knob templates would be a partition task
-    known = {"cluster", "decode_attention", "prefill_attention", "embedding"}
-    part = [t for t in dec + pre if t.kind not in known]
-    out["partition"] = part[0] if part else None
+    # the cut points of the prefill bucket's run of fusable ops with the largest space
+    # (a layer's tail, its residual adds and MLP, and the next layer's norm and QKV)
+    out["partition"] = max(extract_partition_tasks(mc, [prefill_key]),
+                           key=lambda t: (t.space_size, t.key), default=None)
     return out
 
 
@@ -139,7 +139,11 @@ def tune_once(mc, task, ctx, seed: int, use_model: bool, trials: int, batch: int
                 rep = tuner.run(trials=trials)
                 recs, skipped = tlog.records(), tlog.skipped
             (row,) = rep["tasks"]
-            replayed = Replay(d, ctx)(task.key) if row["best_cycles"] else None
+            replayed = None
+            if row["best_cycles"]:
+                rp = Replay(d, ctx)
+                replayed = {"cuts": rp.cuts_for(task.key)} if task.kind == "partition" \
+                    else rp(task.key)
         again = None
         if row["best_knobs"] is not None:
             ((res, _),) = measurer.measure(task, [row["best_knobs"]])
@@ -365,7 +369,8 @@ def main(argv=None) -> int:
     for role in roles:
         task = tasks[role]
         if task is None:
-            note = NO_PARTITION if role == "partition" else "not available: no such kernel"
+            note = "not available: no such kernel" if role != "partition" else \
+                "not available: no run of fusable ops with a choice of cuts"
             rows.append(dict(role=role, task=None, note=note))
             print(f"{role}: {note}", flush=True)
             continue

@@ -65,8 +65,8 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
           ) -> dict:
     """Compile ``onnx_path`` into ``output`` (model.npu); returns the manifest.
     ``max_tokens``: the KV capacity (default 1024, or fewer if the model addresses fewer
-    positions); ``log_dir``: a tuning log whose best knobs per kernel replace the defaults
-    (refused if its records are of another model, spec, profile, quantization or
+    positions); ``log_dir``: a tuning log whose best knobs per kernel and best cuts per
+    run of fusable ops replace the defaults and the strategy's boundaries (refused if its records are of another model, spec, profile, quantization or
     version)."""
     from edgetvm.build.compiler import ModelCompiler
     from edgetvm.build.package import write_artifact
@@ -83,6 +83,7 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
         from edgetvm.tune.log import Replay
         replay = Replay(log_dir, log_context(onnx_path, mc.spec, mc.profile, quantize))
         mc.knobs_for = replay                 # before the first graph builds the kernels
+        mc.set_cuts(replay.cuts_for)
     rows = tuple(b for b in asked if b <= mc.max_tokens)
     if not rows:
         raise EdgeTVMError(f"no prefill bucket fits a KV cache of {mc.max_tokens} tokens")
@@ -238,7 +239,8 @@ def main(argv=None) -> int:
           f"{m['weights']['bytes'] / 1e6:.1f} MB of weights, {size / 1e6:.1f} MB, "
           f"{m['kernels_lowered']} kernels lowered, {m['build_seconds']:.1f} s")
     if m.get("tuning"):
-        print(f"replayed {args.log}: tuned knobs for {m['tuning']['kernels_tuned']} kernels")
+        print(f"replayed {args.log}: tuned knobs for {m['tuning']['kernels_tuned']} kernels"
+              f", tuned cuts for {m['tuning']['runs_cut']} runs of fusable ops")
     print(f"DRAM: {m['weights']['bytes'] / 1e6:.1f} MB weights + {arena / 1e6:.2f} MB "
           f"activation arena (high-water, slots reused by lifetime) + {kv / 1e6:.2f} MB KV "
           f"cache ({md['max_tokens']} tokens)")

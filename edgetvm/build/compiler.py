@@ -27,6 +27,7 @@ from edgetvm.relax_passes.partition import STRATEGIES, partition
 from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules.kv_cache import PAGE_TOKENS, KVCacheLayout
 
+from .cuts import apply_cuts
 from .graph import BuildError, extract_phase_graph
 from .kernels import KernelBuilder
 from .link import Linker, plan_dram
@@ -40,9 +41,12 @@ class ModelCompiler:
 
     def __init__(self, onnx_path, spec="edge-npu-16mb", *, quantize=None, max_tokens=None,
                  strategy: str = "regions", max_rows: int = 512, shape_overrides=None,
-                 profile: str | None = None, knobs_for=None):
+                 profile: str | None = None, knobs_for=None, cuts_for=None):
         """``knobs_for(kernel key) -> knobs or None``: the knobs each kernel is lowered
-        with instead of the defaults (a tuning log's replay, :mod:`edgetvm.tune.log`)."""
+        with instead of the defaults; ``cuts_for(run key) -> cuts or None``: the kernel
+        boundaries of each run of fusable ops instead of the strategy's
+        (:mod:`edgetvm.build.cuts`). Both are a tuning log's replay
+        (:class:`edgetvm.tune.log.Replay`)."""
         if strategy not in STRATEGIES:
             raise BuildError(f"unknown fusion strategy {strategy!r}; known: "
                              f"{', '.join(STRATEGIES)}")
@@ -51,6 +55,7 @@ class ModelCompiler:
         self.profile = self.spec.profile(profile).name      # an unknown profile fails here
         self._searches: dict = {}
         self.knobs_for = knobs_for
+        self.cuts_for = cuts_for
         self.prefetch = True             # cross-kernel weight prefetch (link.py)
         self.max_rows = int(max_rows)
         t0 = time.time()
@@ -130,10 +135,23 @@ class ModelCompiler:
         return self._searches[profile]
 
     def partition(self, graph, strategy: str | None = None, profile: str | None = None):
-        """The op groups of ``graph`` under ``strategy`` (default: the compiler's)."""
+        """The op groups of ``graph`` under ``strategy`` (default: the compiler's), with
+        the cuts of :attr:`cuts_for` where it has some."""
+        groups = self.strategy_partition(graph, strategy, profile)
+        return groups if self.cuts_for is None else \
+            apply_cuts(graph, groups, self.cuts_for)
+
+    def strategy_partition(self, graph, strategy: str | None = None,
+                           profile: str | None = None):
+        """The op groups of ``graph`` under ``strategy`` alone."""
         return partition(graph, strategy or self.strategy,
                          fits=lambda grp: self.fits(graph, grp),
                          search=lambda gr: self.search(profile).partition(gr))
+
+    def set_cuts(self, cuts_for) -> None:
+        """Use ``cuts_for`` (see the constructor) from now on."""
+        self.cuts_for = cuts_for
+        self._linked.clear()
 
     def program(self, phase: str, rows: int, pages: int, strategy: str | None = None,
                 groups=None):

@@ -7,8 +7,8 @@ busy device rather than an idle one. Two forms:
 
 * **alone** (:func:`measure_kernel`, ``edgellm``'s cut-point search): the kernel by
   itself, no cross-kernel prefetch;
-* **in context** (:func:`measure_in_context`, the tuner): the kernel linked between its
-  neighbours in the phase program, with the linker's cross-kernel prefetch, minus the
+* **in context** (:func:`measure_in_context`, the tuner): the kernel (or the clusters of a
+  run of fusable ops under candidate cuts) linked between its neighbours in the phase program, with the linker's cross-kernel prefetch, minus the
   two neighbours linked without it. That difference is what the kernel adds to the
   step, including what it does to its neighbours: a footprint that leaves no TCM beside
   the next kernel stops that kernel's weight prefetch; a kernel whose first tiles can
@@ -88,22 +88,24 @@ def measure_kernel(kernel, graph, spec, layout, emulator):
     return run_steady(emulator, program, measurement_params(program, graph, layout))
 
 
-def context_programs(kernel, before, after, graph, spec, copies: int = 1) -> tuple:
-    """(the kernel between its neighbours, the neighbours without it): the two programs
+def context_programs(kernels, before, after, graph, spec, copies: int = 1) -> tuple:
+    """(``kernels`` (one candidate kernel, or the clusters of a run's candidate cuts)
+    between their neighbours, the neighbours without them): the two programs
     :func:`measure_in_context` runs; ``before`` / ``after`` may be None (a phase's first
     or last kernel). The second is None when there is no neighbour."""
     around = [k for k in (before, after) if k is not None]
-    with_it = chain_program([k for k in (before, kernel, after) if k is not None], graph,
-                            spec, copies)
+    middle = list(kernels)
+    with_it = chain_program(([before] if before is not None else []) + middle +
+                            ([after] if after is not None else []), graph, spec, copies)
     without = chain_program(around, graph, spec, copies) if around else None
     return with_it, without
 
 
-def measure_in_context(kernel, before, after, graph, spec, layout, emulator) -> tuple:
-    """(Counters of ``kernel`` between ``before`` and ``after``, Counters of the two
-    neighbours alone or None): the kernel's cost in context is the difference of their
+def measure_in_context(kernels, before, after, graph, spec, layout, emulator) -> tuple:
+    """(Counters of ``kernels`` between ``before`` and ``after``, Counters of the two
+    neighbours alone or None): their cost in context is the difference of their
     ``total_cycles`` (see the module docstring)."""
-    with_it, without = context_programs(kernel, before, after, graph, spec)
+    with_it, without = context_programs(kernels, before, after, graph, spec)
     a = run_steady(emulator, with_it, measurement_params(with_it, graph, layout))
     b = None if without is None else \
         run_steady(emulator, without, measurement_params(without, graph, layout))

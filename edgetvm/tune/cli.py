@@ -1,6 +1,6 @@
-"""``python -m edgetvm.tune model.onnx``: tune the kernels of a model's phase programs on the
-emulated NPU, appending every trial to a tuning log that ``python -m edgetvm.build
-model.onnx --log DIR`` replays."""
+"""``python -m edgetvm.tune model.onnx``: tune the kernel boundaries and the kernels of a
+model's phase programs on the emulated NPU, appending every trial to a tuning log that
+``python -m edgetvm.build model.onnx --log DIR`` replays."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,10 @@ from edgetvm.errors import EdgeTVMError
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "examples", "llama_tiny_with_past.onnx")
+
+
+#: the share of a tune's budget the cut points may take (the rest tunes the kernels)
+CUT_SHARE = 0.25
 
 
 def log_context(onnx_path: str, spec, profile, quantize):
@@ -42,24 +46,35 @@ def select_keys(keys: list, phases) -> list:
 def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regions",
          buckets=None, chunk=None, quantize=None, max_tokens=None, phases=None,
          trials=None, time_budget=None, log_dir="tuning_logs", workers=1, rpc_tracker=None,
-         rpc_key=None, timeout=300.0, seed=0, batch=8, use_model=True,
-         validate=True, progress=True) -> dict:
+         rpc_key=None, timeout=300.0, seed=0, batch=8, use_model=True, cuts=True,
+         cut_share=CUT_SHARE, validate=True, progress=True) -> dict:
     """Tune ``onnx_path``; returns the report (see :meth:`Tuner.report`).
 
+    Two stages on one log and one budget: with ``cuts``, first the kernel boundaries of
+    every run of fusable ops (partition tasks, :mod:`edgetvm.build.cuts`; the strategy's
+    partition is their starting point), for at most ``cut_share`` of the budget; then the
+    knobs of the kernels of the best partition found, for the rest.
     Candidates are measured in this process, on ``workers`` local emulator processes, or
     on the servers of the TVM RPC tracker ``rpc_tracker`` ("HOST:PORT") under
     ``rpc_key`` (``workers``: how many of them at once; default every free one).
-    ``validate``: link every selected phase program with the default and with the
-    replayed knobs and measure both (``rep["phases"]``)."""
+    ``validate``: link every selected phase program with the default (the strategy's
+    partition, default knobs) and with the replayed log, and measure both
+    (``rep["phases"]``)."""
+    import math
+    import time
+
     from edgetvm.build.cli import DEFAULT_BUCKETS
     from edgetvm.build.compiler import ModelCompiler
 
-    from .log import TuningLog
-    from .tasks import extract_tasks
-    from .tuner import Tuner
+    from .log import Replay, TuningLog, TuningLogError
+    from .tasks import extract_partition_tasks, extract_tasks
 
     if not os.path.isfile(onnx_path):
         raise EdgeTVMError(f"{onnx_path}: no such file")
+    if not 0 < cut_share < 1:
+        raise EdgeTVMError(f"the share of the budget for cut points must be in (0, 1), "
+                           f"not {cut_share}")
+    t_start = time.time()
     asked = (chunk,) if chunk else tuple(sorted(set(buckets or DEFAULT_BUCKETS)))
     mc = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
                        strategy=strategy, max_rows=max(asked), profile=profile)
@@ -68,23 +83,39 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
         raise EdgeTVMError(f"no prefill bucket fits a KV cache of {mc.max_tokens} tokens")
     keys = select_keys(mc.phase_keys(rows, chunked=bool(chunk)), phases)
     ctx = log_context(onnx_path, mc.spec, mc.profile, quantize)
-    tasks = extract_tasks(mc, keys)
-    measurer = make_measurer(mc, tasks, ctx.profile, workers, rpc_tracker, rpc_key,
-                             timeout)
-    try:
-        with TuningLog(log_dir) as tlog:
-            tuner = Tuner(mc, tasks, tlog, ctx, seed=seed, batch=batch, measurer=measurer,
-                          use_model=use_model, progress=progress)
-            rep = tuner.run(trials=trials, time_budget=time_budget)
-    finally:
-        measurer.close()
+    opts = dict(seed=seed, batch=batch, use_model=use_model, progress=progress)
+    reps = []
+    with TuningLog(log_dir) as tlog:
+        if cuts:
+            ptasks = extract_partition_tasks(mc, keys)
+            if ptasks:
+                share = dict(trials=None if trials is None else max(1, math.ceil(
+                                 trials * cut_share)),
+                             time_budget=None if time_budget is None else
+                             time_budget * cut_share)
+                reps.append(_stage(mc, ptasks, tlog, ctx, "cuts", share, opts, workers,
+                                   rpc_tracker, rpc_key, timeout))
+            try:
+                mc.set_cuts(Replay(log_dir, ctx).cuts_for)
+            except TuningLogError:
+                pass                     # nothing measured: the strategy's partition
+        done = sum(r["measured"] for r in reps)
+        left = dict(trials=None if trials is None else trials - done,
+                    time_budget=None if time_budget is None else
+                    time_budget - (time.time() - t_start))
+        if (left["trials"] is None or left["trials"] > 0) and \
+                (left["time_budget"] is None or left["time_budget"] > 0):
+            reps.append(_stage(mc, extract_tasks(mc, keys), tlog, ctx, "tiles", left, opts,
+                               workers, rpc_tracker, rpc_key, timeout))
+    rep = _merge(reps, time.time() - t_start)
     rep["programs"] = [f"{p}_{r}x{g}p" for p, r, g in keys]
     rep["context"] = ctx.as_dict()
     if validate:
-        from .log import Replay
+        mc.set_cuts(None)                # the default: the strategy's partition
+        replay = Replay(log_dir, ctx)
         tuned = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
                               strategy=strategy, max_rows=max(asked), profile=profile,
-                              knobs_for=Replay(log_dir, ctx))
+                              knobs_for=replay, cuts_for=replay.cuts_for)
         rep["budget_mw"] = mc.spec.profile(mc.profile).budget_mw
         rep["phases"] = []
         for p, r, g in keys:
@@ -92,8 +123,40 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
             rep["phases"].append(dict(
                 program=f"{p}_{r}x{g}p", default_cycles=a.total_cycles,
                 tuned_cycles=b.total_cycles, default_peak_mw=round(a.peak_power_mw, 1),
-                tuned_peak_mw=round(b.peak_power_mw, 1)))
+                tuned_peak_mw=round(b.peak_power_mw, 1),
+                default_kernels=len(mc.program(p, r, g).metadata["kernels"]),
+                tuned_kernels=len(tuned.program(p, r, g).metadata["kernels"])))
     return rep
+
+
+def _stage(mc, tasks, tlog, ctx, name, budget, opts, workers, rpc_tracker, rpc_key,
+           timeout) -> dict:
+    """One tuner over ``tasks`` with ``budget`` (trials / time_budget)."""
+    from .tuner import Tuner
+
+    measurer = make_measurer(mc, tasks, ctx.profile, workers, rpc_tracker, rpc_key,
+                             timeout)
+    try:
+        tuner = Tuner(mc, tasks, tlog, ctx, measurer=measurer, desc=name, **opts)
+        return tuner.run(**budget)
+    finally:
+        measurer.close()
+
+
+def _merge(reps: list, seconds: float) -> dict:
+    """The report of the stages (cut points, then tiles) as one."""
+    if not reps:
+        return dict(tasks=[], measured=0, seconds=seconds, step_cycles_default=0,
+                    step_cycles_tuned=0, stages=[])
+    out = dict(reps[-1])
+    out["tasks"] = [t for r in reps for t in r["tasks"]]
+    out["measured"] = sum(r["measured"] for r in reps)
+    out["seconds"] = seconds
+    out["stages"] = [dict(stage=r["stage"], measured=r["measured"],
+                          seconds=round(r["seconds"], 1),
+                          step_cycles_default=r["step_cycles_default"],
+                          step_cycles_tuned=r["step_cycles_tuned"]) for r in reps]
+    return out
 
 
 def program_counters(mc, key):
@@ -156,6 +219,12 @@ def main(argv=None) -> int:
                     help="seconds a candidate's measurement may take (default 300; enforced with "
                          "--workers N > 1 and --rpc-tracker, where it runs in another "
                          "process)")
+    ap.add_argument("--no-cuts", action="store_true",
+                    help="keep the strategy's kernel boundaries; tune only the kernels' "
+                         "knobs")
+    ap.add_argument("--cut-share", type=float, default=CUT_SHARE, metavar="F",
+                    help="the share of the budget the search over kernel boundaries may "
+                         f"take first (default {CUT_SHARE})")
     ap.add_argument("--batch", type=int, default=8, help="candidates per round (default 8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-model", action="store_true",
@@ -168,6 +237,8 @@ def main(argv=None) -> int:
         ap.error("--trials must be >= 1")
     if args.time_budget is not None and args.time_budget <= 0:
         ap.error("--time-budget must be > 0")
+    if not 0 < args.cut_share < 1:
+        ap.error("--cut-share must be between 0 and 1")
     if args.workers < 1 or args.batch < 1:
         ap.error("--workers and --batch must be >= 1")
     if args.rpc_key and not args.rpc_tracker:
@@ -184,7 +255,8 @@ def main(argv=None) -> int:
                    workers=args.workers, rpc_tracker=args.rpc_tracker,
                    rpc_key=args.rpc_key, timeout=args.timeout, seed=args.seed,
                    batch=args.batch,
-                   use_model=not args.no_model, validate=not args.no_validate,
+                   use_model=not args.no_model, cuts=not args.no_cuts,
+                   cut_share=args.cut_share, validate=not args.no_validate,
                    progress=not args.quiet)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -5,7 +5,9 @@ Features are computed from a candidate's knobs and its task's shapes, without lo
 lowered and measured): DRAM bytes per level (activations, weights re-read per row tile,
 outputs), DMA count and mean DMA size (bursts), the TCM footprint of the tiles and their
 buffering slots (and its share of the TCM), tile counts, MACs and arithmetic intensity,
-the pipeline depth (slots) and the DMA split. MetaSchedule's per-store features know
+the pipeline depth (slots) and the DMA split. For a run's cuts (a partition task): the
+activation bytes the cuts send through DRAM, the number of kernels, and the largest
+cluster's weights against the TCM. MetaSchedule's per-store features know
 nothing of TCM, DMA or power, so its ``XGBModel`` feature extractor does not apply; the
 model itself is the same idea (gradient-boosted trees on log latency, trained online).
 
@@ -21,7 +23,7 @@ import math
 import numpy as np
 
 #: template kinds, one-hot in the features
-KINDS = ("cluster", "decode_attention", "prefill_attention", "embedding")
+KINDS = ("cluster", "decode_attention", "prefill_attention", "embedding", "partition")
 
 FEATURES = (
     "log_rows", "log_tile_m", "row_tiles", "tile_n_frac",
@@ -30,6 +32,7 @@ FEATURES = (
     "log_macs", "log_intensity", "log_w_tiles", "mean_tn_frac", "mean_tk_frac",
     "slots_in", "slots_out", "slots_w", "slots_c", "dma_split", "matmuls", "w4",
     "log_tile_q", "log_tile_kv", "kv_tiles", "slots_kv", "slots_s",
+    "clusters", "log_cut_bytes", "max_cluster_ops", "max_cluster_w_frac", "mm_clusters",
 ) + tuple(f"kind_{k}" for k in KINDS)
 
 
@@ -86,6 +89,20 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  mean_tn_frac=tnf / nm, mean_tk_frac=tkf / nm, slots_in=si, slots_out=so,
                  slots_w=sw / nm, slots_c=sc / nm, dma_split=knobs.get("dma_split", 0),
                  matmuls=len(sh["matmuls"]), w4=float(any(sh["quant"])))
+    elif task.kind == "partition":
+        # a run's cuts: activation bytes the cuts send through DRAM and back, how many
+        # kernels (start-ups, pipeline fills), the largest cluster's weights against the
+        # TCM (a cluster near it leaves no room to prefetch or double-buffer)
+        bounds = [0] + list(knobs["cuts"]) + [sh["ops"]]
+        spans = list(zip(bounds, bounds[1:]))
+        w = [sum(sh["const_bytes"][a:b]) for a, b in spans]
+        cut = sum(sh["cut_bytes"][p] for p in knobs["cuts"])
+        f.update(clusters=len(spans), log_cut_bytes=_l(cut),
+                 max_cluster_ops=max(b - a for a, b in spans),
+                 max_cluster_w_frac=max(w) / spec.tcm_bytes,
+                 mm_clusters=sum(any(sh["matmul"][a:b]) for a, b in spans),
+                 log_weight_bytes=_l(sum(w)), log_act_bytes=_l(cut),
+                 matmuls=sum(sh["matmul"]))
     elif task.kind == "embedding":
         tm = knobs["tile_m"]
         tiles = math.ceil(rows / tm)

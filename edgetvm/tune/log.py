@@ -58,6 +58,9 @@ CONTEXT_KEYS = ("model", "spec", "profile", "quantization", "edgetvm", "emulator
 #: measured, but puts the step over the power profile's budget (never chosen)
 OK, REJECTED, FAILED, OVER_BUDGET = "ok", "rejected", "failed", "over_budget"
 
+#: the kind of a record whose knobs are the cuts of a run of fusable ops, ``{"cuts": [..]}``
+PARTITION = "partition"
+
 
 class TuningLogError(EdgeTVMError):
     """A tuning log cannot be used: unreadable, or its records are for another context."""
@@ -270,7 +273,9 @@ class TuningLog:
 
 class Replay:
     """``knobs_for`` of a :class:`~edgetvm.build.kernels.KernelBuilder` from a log: the best
-    logged knobs of each kernel, ``None`` (defaults) for kernels the log does not cover."""
+    logged knobs of each kernel, ``None`` (defaults) for kernels the log does not cover;
+    and :meth:`cuts_for`, the best logged cuts of each run of fusable ops (the tuner's
+    ``partition`` tasks, :mod:`edgetvm.build.cuts`)."""
 
     def __init__(self, directory: str, context: LogContext):
         tl = TuningLog(directory, create=False)
@@ -282,13 +287,22 @@ class Replay:
 
     def __call__(self, kernel_key: str):
         rec = self.best.get(workload_hash(kernel_key))
-        if rec is None:
+        if rec is None or rec.kind == PARTITION:
             return None
         self.used[rec.workload] = rec
         return json.loads(json.dumps(rec.knobs))       # a private copy
 
+    def cuts_for(self, run_key: str):
+        """The logged best cuts of the run ``run_key`` (None: the log has none)."""
+        rec = self.best.get(workload_hash(run_key))
+        if rec is None or rec.kind != PARTITION:
+            return None
+        self.used[rec.workload] = rec
+        return [int(p) for p in rec.knobs["cuts"]]
+
     def summary(self) -> dict:
         """What the artifact's manifest says about the replay (deterministic)."""
         chosen = sorted(f"{w}:{r.knobs_key}:{r.cycles}" for w, r in self.used.items())
-        return {"kernels_tuned": len(self.used),
+        return {"kernels_tuned": sum(r.kind != PARTITION for r in self.used.values()),
+                "runs_cut": sum(r.kind == PARTITION for r in self.used.values()),
                 "records_sha256": hashlib.sha256("\n".join(chosen).encode()).hexdigest()}

@@ -32,12 +32,14 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from edgetvm.build.cuts import joinable
 from edgetvm.build.graph import BuildError
+from edgetvm.build.measure import context_programs, measurement_params, run_twice
 from edgetvm.errors import CandidateRejected
 from edgetvm.target.emulator import CycleLimitExceeded, Emulator
 from edgetvm.target.emulator.power import MIN_SCALE
 
-from edgetvm.build.measure import context_programs, measurement_params, run_twice
+from .log import PARTITION
 
 
 @dataclass(frozen=True)
@@ -64,45 +66,56 @@ class Measurement:
 
 @dataclass
 class Job:
-    """A lowered candidate: its program (the kernel between its neighbours, relocated),
+    """A lowered candidate: its program (its kernels between their neighbours, relocated),
     the neighbours' program without it (None: no neighbours), their runtime parameters,
-    and the kernel and phase graph it came from."""
+    and the kernels and phase graph it came from."""
 
     program: object
     params: dict
     without: object
     without_params: dict
-    kernel: object
+    kernels: list
     graph: object
 
 
 def lower_candidate(mc, task, knobs, copies: int = 1) -> Job:
     """Lower ``knobs`` of ``task`` with compiler ``mc`` into its measuring programs (the
     chains ``copies`` times over); raises CandidateRejected."""
-    return chain_job(mc, task, lower_kernel(mc, task, knobs), copies)
+    return chain_job(mc, task, lower_kernels(mc, task, knobs), copies)
 
 
-def lower_kernel(mc, task, knobs):
-    """The candidate's kernel (raises CandidateRejected; another error: RuntimeError)."""
+def lower_kernels(mc, task, knobs) -> list:
+    """The candidate's kernels: the kernel lowered with ``knobs``, or for a partition task
+    the run's clusters under the cuts ``knobs`` with their default knobs (raises
+    CandidateRejected; another error: RuntimeError)."""
     try:
-        k = mc.kernels.kernel(task.graph, list(task.group), knobs=knobs)
+        if task.kind == PARTITION:
+            groups = task.groups(knobs)
+            bad = next((g for g in groups if not joinable(task.graph, g)), None)
+            if bad is not None:
+                raise CandidateRejected(f"cuts {knobs['cuts']}: ops "
+                                        f"{[task.graph.ops[i].name for i in bad]} may not "
+                                        f"share a kernel")
+            cons = task.graph.consumers()
+            return [mc.kernels.kernel(task.graph, g, cons) for g in groups]
+        return [mc.kernels.kernel(task.graph, list(task.group), knobs=knobs)]
     except BuildError as e:
         raise CandidateRejected(str(e)) from None
     except CandidateRejected:
         raise
     except Exception as e:                             # noqa: BLE001 - a failed trial
         raise RuntimeError(f"lowering: {type(e).__name__}: {e}") from None
-    return k
 
 
-def chain_job(mc, task, k, copies: int = 1) -> Job:
-    """The measuring programs of kernel ``k`` of ``task``: chains ``copies`` times over."""
+def chain_job(mc, task, kernels: list, copies: int = 1) -> Job:
+    """The measuring programs of a candidate's ``kernels`` of ``task``: chains ``copies``
+    times over."""
     before, after = task.context_kernels(mc)
-    with_it, without = context_programs(k, before, after, task.graph, mc.spec, copies)
+    with_it, without = context_programs(kernels, before, after, task.graph, mc.spec, copies)
     params = measurement_params(with_it, task.graph, mc.layout)
     wparams = None if without is None else \
         measurement_params(without, task.graph, mc.layout)
-    return Job(with_it, params, without, wparams, k, task.graph)
+    return Job(with_it, params, without, wparams, kernels, task.graph)
 
 
 def in_context(with_it: dict, without: dict | None) -> Measurement:
@@ -310,6 +323,17 @@ class RunnerMeasurer:
         self._state = (mc, {t.workload: t for t in tasks}, profile)
         self.pool = None
 
+    @property
+    def workers(self) -> int:
+        """Candidates the runner measures at once (its servers)."""
+        w = getattr(self.runner, "max_workers", None)
+        if w:
+            return int(w)
+        try:
+            return max(1, int(self.runner.servers()["total"]))
+        except Exception:                              # noqa: BLE001 - not a tracker
+            return 1
+
     def _lower_all(self, task, batch: list) -> list:
         if self.lower_workers <= 1:
             return [_lower_chains(self.mc, task, kn) for kn in batch]
@@ -361,8 +385,8 @@ def _lower_chains(mc, task, knobs):
     """(chain once, chain twice) Jobs of a candidate, its kernel lowered once; or the
     exception (CandidateRejected: does not lower; another: a failed trial)."""
     try:
-        k = lower_kernel(mc, task, knobs)
-        return tuple(dataclasses.replace(chain_job(mc, task, k, c), kernel=None, graph=None)
+        ks = lower_kernels(mc, task, knobs)
+        return tuple(dataclasses.replace(chain_job(mc, task, ks, c), kernels=None, graph=None)
                      for c in (1, 2))
     except CandidateRejected as e:
         return CandidateRejected(str(e))

@@ -32,6 +32,7 @@ import numpy as np
 import tvm
 from tvm import s_tir
 
+from edgetvm.build.cuts import cuts_of, forced_cuts, groups_of, joinable, run_key, runs
 from edgetvm.build.graph import BuildError
 from edgetvm.build.kernels import cluster_matmuls, cluster_rows, stage_cluster
 from edgetvm.tir_schedules.attention import kv_tile_candidates
@@ -76,6 +77,43 @@ class Task:
         if self.kind == "embedding":
             return f"embedding m={sh['rows']}"
         return f"{self.kind} q={sh['rows']} kv={sh['capacity']}"
+
+    def tile_ops(self, knobs: dict) -> int:
+        """Tile operations the knobs make the kernel issue, from the shapes (no lowering):
+        row tiles x (weight tiles per matmul + column tiles per elementwise stage);
+        query tiles x KV tiles x heads; embedding row tiles. What the tuner compares with
+        the defaults' count to leave out command streams that take minutes to lower."""
+        sh = self.shape
+        if self.kind == "partition":
+            return 0
+        rows = sh["rows"]
+        if self.kind == "cluster":
+            row_tiles = -(-rows // knobs.get("tile_m", rows))
+            mm = knobs.get("matmul", {})
+            w = sum(-(-n // mm.get(st, {}).get("tile_n", n)) *
+                    -(-k // mm.get(st, {}).get("tile_k", k))
+                    for st, (n, k, _) in sh["matmuls"].items())
+            cols = max(sh["row_bytes"].values()) // 2 // max(1, rows)
+            col_tiles = -(-cols // knobs["tile_n"]) if knobs.get("tile_n") else 1
+            return row_tiles * (w + sh["stages"] * col_tiles)
+        if self.kind == "embedding":
+            return -(-rows // knobs["tile_m"])
+        return -(-rows // knobs.get("tile_q", 1)) * -(-sh["capacity"] // knobs["tile_kv"]) * \
+            sh["q_heads"]
+
+    @property
+    def size_hint(self) -> int:
+        """Bytes the kernel must touch at least, from its shapes (no measurement): what
+        orders the baselines, the largest first, before any cycles are known."""
+        sh = self.shape
+        if self.kind == "cluster":
+            return int(sh["const_bytes"] + sum(sh["row_bytes"].values()))
+        if self.kind == "embedding":
+            return int(sh["rows"] * sh["hidden"] * 2)
+        if self.kind == "partition":
+            return int(sum(sh["const_bytes"]) + sum(sh["cut_bytes"]))
+        return int(2 * sh["capacity"] * sh["kv_heads"] * sh["head_dim"] * 2 +
+                   2 * sh["rows"] * sh["q_heads"] * sh["head_dim"] * 2)
 
     @property
     def workload(self) -> str:
@@ -237,3 +275,121 @@ def extract_tasks(mc, keys, strategy: str | None = None) -> list:
             t.count += 1
             t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
     return list(tasks.values())
+
+
+@dataclass
+class PartitionTask(Task):
+    """The cuts of one run of fusable ops (:mod:`edgetvm.build.cuts`): which kernel
+    boundaries it has. A point is one 0/1 knob per position that may be cut (``cut_P``);
+    its knobs are ``{"cuts": [P, ...]}`` with the forced cuts included. A candidate is the
+    run's clusters (default tile knobs) linked between the kernels before and after the
+    run, measured in context as a kernel is; joins that may not share a kernel are never
+    proposed, and clusters over the TCM are rejected when lowered."""
+
+    forced: tuple = ()
+
+    @property
+    def label(self) -> str:
+        sh = self.shape
+        return f"cuts of {sh['ops']} ops m={sh['rows']} {self.name}"
+
+    def to_knobs(self, point: dict) -> dict:
+        free = [int(k[len("cut_"):]) for k, v in point.items() if v]
+        return {"cuts": sorted(set(self.forced) | set(free))}
+
+    def flatten(self, knobs: dict) -> dict:
+        cuts = {int(p) for p in knobs.get("cuts", ())}
+        return {k: int(int(k[len("cut_"):]) in cuts) for k in self.space}
+
+    def groups(self, knobs: dict) -> list:
+        return groups_of(list(self.group), knobs["cuts"])
+
+    def valid(self, point: dict) -> bool:
+        return all(joinable(self.graph, g) for g in self.groups(self.to_knobs(point)))
+
+    def sample(self, rng: random.Random, n: int, seen: set) -> list:
+        out = [p for p in super().sample(rng, 4 * n, seen) if self.valid(p)]
+        return out[:n]
+
+    def neighbours(self, point: dict) -> list:
+        return [p for p in super().neighbours(point) if self.valid(p)]
+
+
+def extract_partition_tasks(mc, keys) -> list:
+    """One :class:`PartitionTask` per distinct run of fusable ops (two ops or more, with a
+    position that may be cut or not) of compiler ``mc``'s phase programs ``keys``; its
+    default cuts are those of the compiler's strategy."""
+    tasks: dict = {}
+    fixed: set = set()                 # runs with no choice
+    for key in keys:
+        g = mc.graph(*key)
+        consumers = g.consumers()
+        groups = mc.strategy_partition(g)
+        start = {grp[0]: n for n, grp in enumerate(groups)}
+        end = {grp[-1]: n for n, grp in enumerate(groups)}
+        for run in runs(g):
+            if len(run) < 2:
+                continue
+            rk = run_key(g, run, consumers)
+            if rk in fixed:
+                continue
+            t = tasks.get(rk)
+            if t is None:
+                default = cuts_of(run, groups)
+                # forced: the two ops may not join, or do not lower, as a pair (a cluster
+                # holding both has the same refusal or a larger footprint); a strategy's
+                # own join stays open
+                forced = set(forced_cuts(g, run)) | {
+                    p for p in range(1, len(run))
+                    if not mc.fits(g, [run[p - 1], run[p]])}
+                forced = sorted(p for p in forced if p in default)
+                free = sorted(set(range(1, len(run))) - set(forced))
+                if not free:
+                    fixed.add(rk)
+                    continue
+                a, b = start[run[0]], end[run[-1]]
+                t = tasks[rk] = PartitionTask(
+                    rk, "partition", "+".join(g.ops[i].stage.op for i in run), g,
+                    tuple(run), space={f"cut_{p}": [0, 1] for p in free},
+                    default_knobs={"cuts": default}, shape=_run_shape(g, run),
+                    before=tuple(groups[a - 1]) if a > 0 else None,
+                    after=tuple(groups[b + 1]) if b + 1 < len(groups) else None,
+                    forced=tuple(forced))
+                t.context = workload_hash("|".join(
+                    "" if nk is None else nk.key for nk in t.context_kernels(mc)))[:16]
+            t.count += 1
+            t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
+    return list(tasks.values())
+
+
+def _run_shape(graph, run) -> dict:
+    """What the cost features of a run's cuts need: per position the bytes a cut there
+    sends through DRAM (results of the ops before it read by the ops after it), per op
+    its constant (weight) bytes and whether it is a matmul."""
+    pos = {i: n for n, i in enumerate(run)}
+    made: dict = {}
+    for i in run:
+        for v in graph.ops[i].outputs.values():
+            made.setdefault(v.tensor, pos[i])
+    last_read: dict = {}
+    for i in run:
+        for v in graph.ops[i].inputs.values():
+            if v.tensor in made:
+                last_read[v.tensor] = max(last_read.get(v.tensor, 0), pos[i])
+    cut_bytes = [0] * (len(run) + 1)
+    for t, a in made.items():
+        b = last_read.get(t)
+        if b is None:
+            continue
+        nbytes = int(np.prod(graph.tensors[t].shape)) * np.dtype(graph.tensors[t].dtype).itemsize
+        for p in range(a + 1, b + 1):
+            cut_bytes[p] += nbytes
+    const = []
+    for i in run:
+        const.append(sum(int(np.prod(graph.tensors[v.tensor].shape)) *
+                         np.dtype(graph.tensors[v.tensor].dtype).itemsize
+                         for v in graph.ops[i].inputs.values()
+                         if graph.tensors[v.tensor].kind == "const"))
+    return dict(rows=graph.ops[run[0]].rows, ops=len(run), cut_bytes=cut_bytes,
+                const_bytes=const,
+                matmul=[graph.ops[i].stage.op.startswith("linear") for i in run])

@@ -5,7 +5,8 @@ Loop (MetaSchedule's shape: ``TaskScheduler`` -> ``SearchStrategy`` -> ``CostMod
 ``Runner`` -> ``Database``, here over the NPU's knob records):
 
 1. every task's default knobs are measured first (its baseline and its weight: how often
-   it runs x that latency); a record already in the log is reused, not measured again;
+   it runs x that latency), the largest first, within the budget; a record already in
+   the log is reused, not measured again;
 2. the scheduler picks a task: each task once (warm-up, the heaviest first: runs x
    default cycles), then the one whose gradient is
    largest, ``count * (alpha * backward + (1 - alpha) * forward)``, with ``backward`` the
@@ -59,6 +60,10 @@ log = logging.getLogger("edgetvm")
 #: with that lower bound as its cycles)
 SLOW = 4
 
+#: candidates issuing more tile operations than this many times the defaults are left out
+#: of the space (:meth:`Tuner._affordable`)
+MAX_TILE_OPS = 8
+
 #: the note on a baseline record whose default knobs break the budget themselves
 DEFAULTS_OVER = "defaults over budget"
 
@@ -111,7 +116,7 @@ class Tuner:
 
     def __init__(self, mc, tasks, tlog, context, *, seed: int = 0, batch: int = 8,
                  measurer=None, alpha: float = 0.2, window: int = 3,
-                 use_model: bool = True, progress: bool = True):
+                 use_model: bool = True, progress: bool = True, desc: str = "tuning"):
         if not tasks:
             raise TuneError("nothing to tune: the selected phase programs have no kernel "
                             "with knobs")
@@ -122,7 +127,7 @@ class Tuner:
         self.model = CostModel(seed) if use_model else None
         self.measurer = measurer or LocalMeasurer(mc, context.profile)
         self.budget_mw = mc.spec.profile(context.profile).budget_mw
-        self.progress = progress
+        self.progress, self.desc = progress, desc
         self.measured_now = 0                     # measurements made by this run
         self._resume()
 
@@ -177,15 +182,31 @@ class Tuner:
             return max(self.budget_mw, state.default_peak_mw)
         return self.budget_mw
 
-    def _measure_batch(self, state, batch: list, default: bool = False) -> list:
+    def _measure_batch(self, state, batch: list, default: bool = False,
+                       deadline: float | None = None) -> list:
         """Records of ``batch`` (knob sets of one task); each is in the log before this
         returns. ``default``: the batch is the task's default knobs (the baseline,
-        measured to its end; others stop at :data:`SLOW` x the task's best)."""
-        out = []
+        measured to its end; others stop at :data:`SLOW` x the task's best). With a
+        ``deadline`` (a ``time.time()``) the batch goes out as many at a time as the
+        measurer runs at once, and no candidate starts after it (the rest are not tried)."""
         ref = state.best_cycles or state.default_cycles
         slow_after = None if default or not ref else int(SLOW * ref)
-        for kn, (res, wall) in zip(batch, self.measurer.measure(state.task, batch,
-                                                                slow_after=slow_after)):
+        if deadline is None:
+            return self._records(state, batch, default, self.measurer.measure(
+                state.task, batch, slow_after=slow_after))
+        out: list = []
+        par = max(1, getattr(self.measurer, "workers", 1))
+        for i in range(0, len(batch), par):
+            if out and time.time() >= deadline:
+                break
+            part = batch[i:i + par]
+            out += self._records(state, part, default, self.measurer.measure(
+                state.task, part, slow_after=slow_after))
+        return out
+
+    def _records(self, state, batch: list, default: bool, results: list) -> list:
+        out = []
+        for kn, (res, wall) in zip(batch, results):
             if isinstance(res, TooSlow):
                 # a lower bound: failed, but the cost model learns that it is slow
                 out.append(self._record(state.task, kn, FAILED, wall_s=wall,
@@ -214,9 +235,20 @@ class Tuner:
         return out
 
     # -- the loop --------------------------------------------------------------------------
-    def _baselines(self) -> None:
-        for s in self.states:
-            if s.default_cycles is None:
+    def _baselines(self, deadline: float | None = None, trials: int | None = None) -> None:
+        """Measure the default knobs of every task that has no baseline yet, the largest
+        first (:attr:`~edgetvm.tune.tasks.Task.size_hint` x runs), until ``deadline``
+        (a ``time.time()``) or ``trials`` measurements: the budget covers them, and a task
+        left without a baseline keeps its defaults untuned."""
+        order = sorted(self.states, key=lambda s: (-s.task.count * s.task.size_hint,
+                                                   s.task.key))
+        left_out = 0
+        for s in order:
+            if s.default_cycles is None and not s.exhausted:
+                if left_out or (deadline is not None and time.time() >= deadline) or \
+                        (trials is not None and self.measured_now >= trials):
+                    left_out += 1
+                    continue
                 (rec,) = self._measure_batch(s, [s.task.default_knobs], default=True)
                 s.offer(rec)
                 s.default_peak_mw = rec.peak_power_mw
@@ -226,8 +258,11 @@ class Tuner:
                     s.exhausted = True
                     continue
                 s.default_cycles = rec.cycles
-            if not s.history:
+            if not s.history and s.default_cycles:
                 s.history.append(s.best_cycles or s.default_cycles)
+        if left_out:
+            log.warning("the budget ended before %d of %d tasks had a baseline; they keep "
+                        "their default knobs", left_out, len(self.states))
         self._train_from(self._pending_training)
         self._pending_training = []
 
@@ -258,11 +293,11 @@ class Tuner:
 
     def _propose(self, s, n: int) -> list:
         t = s.task
-        pool = t.sample(self.rng, max(64, 8 * n), s.seen)
+        pool = self._affordable(t, t.sample(self.rng, max(64, 8 * n), s.seen))
         best_point = t.to_point(s.best_knobs or t.default_knobs)
         if best_point is not None:
             keys = {canonical_knobs(t.to_knobs(p)) for p in pool}
-            for p in t.neighbours(best_point):
+            for p in self._affordable(t, t.neighbours(best_point)):
                 k = canonical_knobs(t.to_knobs(p))
                 if k not in s.seen and k not in keys:
                     keys.add(k)
@@ -282,15 +317,23 @@ class Tuner:
             pool = pool[:n]
         return [t.to_knobs(p) for p in pool]
 
+    @staticmethod
+    def _affordable(t, points: list) -> list:
+        """``points`` whose tile operations are at most :data:`MAX_TILE_OPS` x the
+        defaults' (a prefill-512 attention at 8x16 tiles issues 27x the default's 19,000
+        commands: 3 minutes to lower, 4 to emulate, 7x slower)."""
+        cap = MAX_TILE_OPS * max(1, t.tile_ops(t.default_knobs))
+        return [p for p in points if t.tile_ops(t.to_knobs(p)) <= cap]
+
     def run(self, trials: int | None = None, time_budget: float | None = None) -> dict:
         """Tune until ``trials`` measurements were made by this run (rejected candidates do
         not count) or ``time_budget`` seconds passed, or every space is exhausted."""
         if trials is None and time_budget is None:
             raise TuneError("give a budget: trials or a time budget")
         t_start = time.time()
-        bar = _bar(trials, self.progress)
+        bar = _bar(trials, self.progress, self.desc)
         try:
-            self._baselines()
+            self._baselines(None if time_budget is None else t_start + time_budget, trials)
             bar.update(self.measured_now)
             while True:
                 if trials is not None and self.measured_now >= trials:
@@ -313,7 +356,8 @@ class Tuner:
                     s.exhausted = True
                     continue
                 before = self.measured_now
-                recs = self._measure_batch(s, batch)
+                recs = self._measure_batch(
+                    s, batch, deadline=None if time_budget is None else t_start + time_budget)
                 for r in recs:
                     s.offer(r)
                 self._train_from(recs)
@@ -338,15 +382,16 @@ class Tuner:
                              if s.best_cycles else None,
                              trials=s.trials, rejected=s.rejected, failed=s.failed,
                              over_budget=s.over_budget,
-                             space=t.space_size, best_knobs=s.best_knobs))
-        return dict(tasks=rows, measured=self.measured_now, seconds=seconds,
+                             space=t.space_size, best_knobs=s.best_knobs,
+                             default_knobs=t.default_knobs))
+        return dict(stage=self.desc, tasks=rows, measured=self.measured_now, seconds=seconds,
                     step_cycles_default=self.default_step_cycles(),
                     step_cycles_tuned=self.step_cycles(), log=self.log.path)
 
 
-def _bar(total, on: bool):
+def _bar(total, on: bool, desc: str = "tuning"):
     from tqdm import tqdm
-    return tqdm(total=total, unit="trial", file=sys.stderr, desc="tuning", disable=not on)
+    return tqdm(total=total, unit="trial", file=sys.stderr, desc=desc, disable=not on)
 
 
 def format_report(rep: dict) -> str:
@@ -358,17 +403,22 @@ def format_report(rep: dict) -> str:
                      f"{r['default_cycles'] or 0:>11,} {r['best_cycles'] or 0:>11,} {sp:>5} "
                      f"{r['trials']:>6} {r['rejected']:>4} {r['failed']:>4} "
                      f"{r.get('over_budget', 0):>4}")
-    d, b = rep["step_cycles_default"], rep["step_cycles_tuned"]
-    lines.append(f"sum over the selected programs (runs x cycles): {d:,} -> {b:,} cycles "
-                 f"({d / b:.3f}x)" if b else "nothing measured")
+    for st in rep.get("stages") or [dict(rep, stage="tuning")]:
+        d, b = st["step_cycles_default"], st["step_cycles_tuned"]
+        what = "runs of fusable ops" if st["stage"] == "cuts" else "kernels"
+        lines.append(f"{st['stage']}: sum over the {what} of the selected programs (runs x "
+                     f"cycles): {d:,} -> {b:,} cycles ({d / b:.3f}x), {st['measured']} "
+                     f"measurements in {st['seconds']:.1f} s" if b else
+                     f"{st['stage']}: nothing measured")
     lines.append(f"{rep['measured']} measurements in {rep['seconds']:.1f} s; log {rep['log']}")
     if rep.get("phases"):
         lines.append(f"{'whole program (linked, prefetch)':<34} {'default_cyc':>11} "
-                     f"{'tuned_cyc':>11} {'x':>6} {'peak_mW':>8} {'tuned':>8} "
+                     f"{'tuned_cyc':>11} {'x':>6} {'kernels':>9} {'peak_mW':>8} {'tuned':>8} "
                      f"(budget {rep['budget_mw']:.0f})")
         for r in rep["phases"]:
+            ks = f"{r.get('default_kernels', '?')}->{r.get('tuned_kernels', '?')}"
             lines.append(f"{r['program']:<34} {r['default_cycles']:>11,} "
                          f"{r['tuned_cycles']:>11,} "
-                         f"{r['default_cycles'] / r['tuned_cycles']:>6.3f} "
+                         f"{r['default_cycles'] / r['tuned_cycles']:>6.3f} {ks:>9} "
                          f"{r['default_peak_mw']:>8.0f} {r['tuned_peak_mw']:>8.0f}")
     return "\n".join(lines)

@@ -12,6 +12,7 @@ compared, so a wrong kernel shows even where greedy ids happen to agree.
 Tolerance as in test_families.py: ``0.01 + 0.01 * max|reference logits|`` per step.
 """
 import pathlib
+import random
 
 import numpy as np
 import pytest
@@ -51,8 +52,8 @@ def _runner(mc):
                        info, LocalRunner(mc.spec), page_pool=pool)
 
 
-def _check(family, strategy, chunk=None, path=None):
-    mc = _compiler(family, strategy, path)
+def _check(family, strategy, chunk=None, path=None, mc=None):
+    mc = mc or _compiler(family, strategy, path)
     ref_run, names, kv = onnxruntime_model(path or _path(family))
     want, calls = greedy_loop(ref_run, names, kv, PROMPT, NEW_TOKENS, chunk)
     recs = _runner(mc).generate(PROMPT, NEW_TOKENS, chunk=chunk)
@@ -97,6 +98,36 @@ def test_chunked_prefill(family):
     # chunks of 2 at positions 0 and 2: the second attends to the first's KV pages
     recs = _check(family, "regions", chunk=2)
     assert [r.token for r in recs[:2]][0] == -1 and recs[1].past == 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_legal_cuts_token_exact(family):
+    """The tuner's partition tasks propose cuts of each run of fusable ops; any legal
+    proposal that fits the TCM, replayed on every run of its key (every layer), computes
+    the model: a random one per run, every phase program, against onnxruntime."""
+    from edgetvm.build.cuts import run_key, runs
+    from edgetvm.tune.tasks import extract_partition_tasks
+
+    mc = ModelCompiler(str(_path(family)), max_tokens=MAX_TOKENS, max_rows=16)
+    keys = mc.phase_keys((4, 8, 16), chunked=True)
+    rng = np.random.default_rng(7)
+    table = {}
+    for t in extract_partition_tasks(mc, keys):
+        pts = t.sample(random.Random(int(rng.integers(1 << 30))), 32, set())
+        for p in pts:
+            kn = t.to_knobs(p)
+            if kn != t.default_knobs and all(mc.fits(t.graph, g) for g in t.groups(kn)):
+                table[t.key] = kn["cuts"]
+                break
+    assert table, family
+    mc.set_cuts(table.get)
+    changed = 0
+    for key in keys:
+        g = mc.graph(*key)
+        assert sorted(i for grp in mc.partition(g) for i in grp) == list(range(len(g.ops)))
+        changed += mc.partition(g) != mc.strategy_partition(g)
+    assert changed and len({run_key(g, r) for r in runs(g)}) >= 2
+    _check(family, "regions", mc=mc)
 
 
 def test_fusion_changes_kernels_and_traffic_not_answers():

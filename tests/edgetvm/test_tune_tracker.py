@@ -3,15 +3,14 @@ measurement, spread over the servers; a lost server is a failed trial."""
 import pathlib
 
 import pytest
+from tune_helpers import logged_tasks
 from rpc_helpers import (KEY, expect_listening, free_port, start_server, start_tracker, stop,
                          wait_for_free_servers)
 
-from edgetvm.build.compiler import ModelCompiler
 from edgetvm.target.emulator import Emulator
 from edgetvm.tune.cli import tune
 from edgetvm.tune.log import OK, OVER_BUDGET, TuningLog
 from edgetvm.tune.measure import measure_candidate
-from edgetvm.tune.tasks import extract_tasks
 
 LLAMA = str(pathlib.Path(__file__).resolve().parents[1] / "data" / "llama_tiny_with_past.onnx")
 
@@ -43,8 +42,8 @@ def test_tracker_measures_what_a_local_run_measures(tracker, tmp_path, profile, 
     assert rep["measured"] == 24
     recs = [r for r in TuningLog(d).records() if r.status in (OK, OVER_BUDGET)]
     assert len(recs) == 24
-    mc = ModelCompiler(LLAMA, max_tokens=64, max_rows=16, profile=profile)
-    tasks = {t.workload: t for t in extract_tasks(mc, [("prefill", 16, 4), ("decode", 1, 4)])}
+    mc, tasks = logged_tasks(LLAMA, d, [("prefill", 16, 4), ("decode", 1, 4)], profile,
+                             max_tokens=64, max_rows=16)
     emu = Emulator(mc.spec, profile)
     for r in recs:
         m = measure_candidate(mc, tasks[r.workload], r.knobs, emu)
