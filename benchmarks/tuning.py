@@ -6,7 +6,8 @@ against onnxruntime (a run outside tolerance fails the benchmark):
 
 * ``untuned local``: default knobs, the ``local`` partition (TVM FuseOps-style);
 * ``untuned <strategy>``: default knobs, the tuned log's partition strategy;
-* ``tuned <strategy>``: the knobs of ``--log`` (tuned under ``performance``);
+* ``tuned <strategy>``: the cuts and knobs of ``--log`` (tuned under ``performance``; the
+  strategy's partition with the log's cuts where it has some);
 * with ``--budget-log`` (a log tuned under ``--budget-profile``, default ``low-battery``),
   under that profile: the budget-tuned knobs beside the ``performance``-tuned knobs run
   under the budget ("tune unconstrained and let the device throttle"), with each
@@ -49,7 +50,8 @@ def replayed(bench, model, log_dir, profile, strategy):
     ctx = log_context(str(model), mc.spec, profile, None)
     b = copy.copy(bench)
     b.mc = ModelCompiler(str(model), mc.spec, max_tokens=MAX_TOKENS, max_rows=512,
-                         strategy=strategy, profile=profile, knobs_for=Replay(log_dir, ctx))
+                         strategy=strategy, profile=profile,
+                         **Replay(log_dir, ctx).compiler_options)
     b.mc.graph("decode", 1, 1)            # the replayed kernels are looked up from here on
     return b
 

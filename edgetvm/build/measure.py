@@ -8,8 +8,9 @@ busy device rather than an idle one. Two forms:
 * **alone** (:func:`measure_kernel`, ``edgellm``'s cut-point search): the kernel by
   itself, no cross-kernel prefetch;
 * **in context** (:func:`measure_in_context`, the tuner): the kernel (or the clusters of a
-  run of fusable ops under candidate cuts) linked between its neighbours in the phase program, with the linker's cross-kernel prefetch, minus the
-  two neighbours linked without it. That difference is what the kernel adds to the
+  run of fusable ops under candidate cuts) linked between its neighbours in the phase
+  program, with the linker's cross-kernel prefetch, minus the two neighbours linked
+  without it. That difference is what the kernel adds to the
   step, including what it does to its neighbours: a footprint that leaves no TCM beside
   the next kernel stops that kernel's weight prefetch; a kernel whose first tiles can
   move while the previous one computes hides its start-up. Measured alone, knobs that
@@ -94,9 +95,8 @@ def context_programs(kernels, before, after, graph, spec, copies: int = 1) -> tu
     :func:`measure_in_context` runs; ``before`` / ``after`` may be None (a phase's first
     or last kernel). The second is None when there is no neighbour."""
     around = [k for k in (before, after) if k is not None]
-    middle = list(kernels)
-    with_it = chain_program(([before] if before is not None else []) + middle +
-                            ([after] if after is not None else []), graph, spec, copies)
+    chain = [k for k in [before, *kernels, after] if k is not None]
+    with_it = chain_program(chain, graph, spec, copies)
     without = chain_program(around, graph, spec, copies) if around else None
     return with_it, without
 

@@ -74,7 +74,6 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     if not 0 < cut_share < 1:
         raise EdgeTVMError(f"the share of the budget for cut points must be in (0, 1), "
                            f"not {cut_share}")
-    t_start = time.time()
     asked = (chunk,) if chunk else tuple(sorted(set(buckets or DEFAULT_BUCKETS)))
     mc = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
                        strategy=strategy, max_rows=max(asked), profile=profile)
@@ -85,6 +84,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     ctx = log_context(onnx_path, mc.spec, mc.profile, quantize)
     opts = dict(seed=seed, batch=batch, use_model=use_model, progress=progress)
     reps = []
+    t_start = time.time()           # the budget: from here (after the front end)
     with TuningLog(log_dir) as tlog:
         if cuts:
             ptasks = extract_partition_tasks(mc, keys)
@@ -99,14 +99,15 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
                 mc.set_cuts(Replay(log_dir, ctx).cuts_for)
             except TuningLogError:
                 pass                     # nothing measured: the strategy's partition
+        tasks = extract_tasks(mc, keys)
         done = sum(r["measured"] for r in reps)
         left = dict(trials=None if trials is None else trials - done,
                     time_budget=None if time_budget is None else
                     time_budget - (time.time() - t_start))
         if (left["trials"] is None or left["trials"] > 0) and \
                 (left["time_budget"] is None or left["time_budget"] > 0):
-            reps.append(_stage(mc, extract_tasks(mc, keys), tlog, ctx, "tiles", left, opts,
-                               workers, rpc_tracker, rpc_key, timeout))
+            reps.append(_stage(mc, tasks, tlog, ctx, "tiles", left, opts, workers,
+                               rpc_tracker, rpc_key, timeout))
     rep = _merge(reps, time.time() - t_start)
     rep["programs"] = [f"{p}_{r}x{g}p" for p, r, g in keys]
     rep["context"] = ctx.as_dict()
@@ -115,7 +116,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
         replay = Replay(log_dir, ctx)
         tuned = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
                               strategy=strategy, max_rows=max(asked), profile=profile,
-                              knobs_for=replay, cuts_for=replay.cuts_for)
+                              **replay.compiler_options)
         rep["budget_mw"] = mc.spec.profile(mc.profile).budget_mw
         rep["phases"] = []
         for p, r, g in keys:

@@ -292,6 +292,12 @@ class Replay:
         self.used[rec.workload] = rec
         return json.loads(json.dumps(rec.knobs))       # a private copy
 
+    @property
+    def compiler_options(self) -> dict:
+        """The :class:`~edgetvm.build.compiler.ModelCompiler` keywords that replay this
+        log: its knobs and its cuts."""
+        return dict(knobs_for=self, cuts_for=self.cuts_for)
+
     def cuts_for(self, run_key: str):
         """The logged best cuts of the run ``run_key`` (None: the log has none)."""
         rec = self.best.get(workload_hash(run_key))

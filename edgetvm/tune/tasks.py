@@ -15,6 +15,11 @@ DMA split and, per matmul stage, its output and reduction tiles, weight and
 accumulator slots. Attention: query and KV tiles, KV and score slots. Embedding: row
 tile, output slots, DMA split. KV appends have no knobs and are not tasks.
 
+A **partition task** (:class:`PartitionTask`) is the cuts of one run of fusable ops
+(:mod:`edgetvm.build.cuts`: the row-local ops between two template kernels, a layer's tail
+and the next layer's head): one 0/1 knob per position that may be cut, the strategy's cuts
+as its default. Its candidate is the run's clusters with their default knobs.
+
 A candidate is measured **in context** (:func:`~edgetvm.build.measure.measure_in_context`):
 linked between the kernels before and after the task's first occurrence, with their
 default knobs and the linker's cross-kernel prefetch, less those two neighbours linked
@@ -54,6 +59,7 @@ class Task:
     group: tuple
     count: int = 0               # how often the kernel runs over the selected programs
     phases: set = field(default_factory=set)
+    runs: dict = field(default_factory=dict)     # phase (prefill, decode) -> occurrences
     space: dict = field(default_factory=dict)     # flat knob name -> candidate values
     default_knobs: dict = field(default_factory=dict)
     shape: dict = field(default_factory=dict)     # what the cost features need
@@ -274,6 +280,7 @@ def extract_tasks(mc, keys, strategy: str | None = None) -> list:
                 t.default_knobs = t.to_knobs(t.to_point(t.default_knobs))
             t.count += 1
             t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
+            t.runs[key[0]] = t.runs.get(key[0], 0) + 1
     return list(tasks.values())
 
 
@@ -359,6 +366,7 @@ def extract_partition_tasks(mc, keys) -> list:
                     "" if nk is None else nk.key for nk in t.context_kernels(mc)))[:16]
             t.count += 1
             t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
+            t.runs[key[0]] = t.runs.get(key[0], 0) + 1
     return list(tasks.values())
 
 

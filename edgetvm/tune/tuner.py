@@ -1,6 +1,11 @@
 """The tuner: per task, candidates ranked by the cost model and measured on the emulator;
 a gradient task scheduler spends the trials; every trial goes to the log as it ends.
 
+A task is a kernel's knobs (:class:`~edgetvm.tune.tasks.Task`) or the cuts of a run of
+fusable ops (:class:`~edgetvm.tune.tasks.PartitionTask`); both are searched, measured and
+logged alike. ``python -m edgetvm.tune`` runs one tuner over the partition tasks, then one
+over the kernels of the partition it chose (:func:`edgetvm.tune.cli.tune`).
+
 Loop (MetaSchedule's shape: ``TaskScheduler`` -> ``SearchStrategy`` -> ``CostModel`` ->
 ``Runner`` -> ``Database``, here over the NPU's knob records):
 
@@ -272,6 +277,22 @@ class Tuner:
         return sum(s.task.count * (s.best_cycles or s.default_cycles or 0)
                    for s in self.states)
 
+    def progress_text(self) -> str:
+        """The best so far per phase, as the progress bar shows it: the summed cycles of
+        the phase's programs (occurrences x the best cycles of each task) and the gain
+        over the defaults, e.g. ``decode 2.1M cyc 1.04x | prefill 7.9M cyc 1.09x``."""
+        parts = []
+        for ph in sorted({p for s in self.states for p in s.task.runs}):
+            cur = base = 0
+            for s in self.states:
+                n = s.task.runs.get(ph, 0)
+                if n and s.default_cycles:
+                    cur += n * (s.best_cycles or s.default_cycles)
+                    base += n * s.default_cycles
+            if base:
+                parts.append(f"{ph} {cur / 1e6:.2f}M cyc {base / cur:.3f}x")
+        return " | ".join(parts)
+
     def default_step_cycles(self) -> int:
         return sum(s.task.count * (s.default_cycles or 0) for s in self.states)
 
@@ -365,8 +386,7 @@ class Tuner:
                     self.model.fit()
                 s.history.append(s.best_cycles or s.default_cycles)
                 bar.update(self.measured_now - before)
-                bar.set_postfix_str(f"step {self.step_cycles():,} cyc "
-                                    f"(default {self.default_step_cycles():,})")
+                bar.set_postfix_str(self.progress_text())
         finally:
             bar.close()
         return self.report(time.time() - t_start)

@@ -135,8 +135,7 @@ def test_tuned_cuts_are_replayed_and_the_program_still_computes_the_model(tmp_pa
     chosen = [best[w] for w in {r.workload for r in parts}]
     assert any(len(r.knobs["cuts"]) < len(cut_default(rep, r)) for r in chosen)
     rp = Replay(d, log_context(LLAMA, load_default_spec(), None, None))
-    tuned = ModelCompiler(LLAMA, max_tokens=32, max_rows=8, knobs_for=rp,
-                          cuts_for=rp.cuts_for)
+    tuned = ModelCompiler(LLAMA, max_tokens=32, max_rows=8, **rp.compiler_options)
     plain = ModelCompiler(LLAMA, max_tokens=32, max_rows=8)
     for ph in rep["phases"]:
         key = ("decode", 1, int(ph["program"].split("x")[1][:-1]))

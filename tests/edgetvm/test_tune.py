@@ -239,8 +239,7 @@ def test_replay_builds_identical_bytes_with_the_logged_knobs_and_latency(tuned, 
     # every kernel of every program carries its log's best knobs
     best = TuningLog.best(TuningLog(d).records())
     replay = Replay(d, log_context(LLAMA, load_spec("edge-npu-16mb"), None, None))
-    mc = ModelCompiler(LLAMA, max_tokens=64, max_rows=16, knobs_for=replay,
-                       cuts_for=replay.cuts_for)
+    mc = ModelCompiler(LLAMA, max_tokens=64, max_rows=16, **replay.compiler_options)
     with zipfile.ZipFile(a) as z:
         manifest = json.loads(z.read("manifest.json"))
     assert manifest["tuning"] == m["tuning"]
@@ -297,8 +296,7 @@ def test_tune_cli(tmp_path, capsys):
     plain = ModelCompiler(LLAMA, max_tokens=16, max_rows=8)
     assert ph["default_cycles"] == program_counters(plain, ("decode", 1, 1)).total_cycles
     rp = Replay(d, log_context(LLAMA, plain.spec, None, None))
-    replayed = ModelCompiler(LLAMA, max_tokens=16, max_rows=8, knobs_for=rp,
-                             cuts_for=rp.cuts_for)
+    replayed = ModelCompiler(LLAMA, max_tokens=16, max_rows=8, **rp.compiler_options)
     tuned = program_counters(replayed, ("decode", 1, 1))
     assert ph["tuned_cycles"] == tuned.total_cycles
     assert ph["tuned_peak_mw"] == round(tuned.peak_power_mw, 1)
@@ -426,14 +424,15 @@ def test_the_shipped_log_of_the_bundled_example_replays():
     d = str(repo / "tuning_logs" / "llama_tiny_with_past")
     spec = load_spec("edge-npu-16mb")
     replay = Replay(d, log_context(DEFAULT_MODEL, spec, None, None))
-    tuned = ModelCompiler(DEFAULT_MODEL, max_rows=16, knobs_for=replay)
+    tuned = ModelCompiler(DEFAULT_MODEL, max_rows=16, **replay.compiler_options)
     plain = ModelCompiler(DEFAULT_MODEL, max_rows=16)
     key = ("decode", 1, 64)
     t, p = program_counters(tuned, key), program_counters(plain, key)
-    g = plain.graph(*key)
-    knobbed = [grp for grp in plain.partition(g) if g.ops[grp[0]].kind != "kv_append"]
-    assert len(replay.used) >= 0.9 * len({plain.kernels.kernel(g, grp).key
-                                          for grp in knobbed})
+    g = tuned.graph(*key)
+    knobbed = {tuned.kernels.kernel(g, grp).key for grp in tuned.partition(g)
+               if g.ops[grp[0]].kind != "kv_append"}
+    used = {w for w, r in replay.used.items() if r.kind != "partition"}
+    assert len(used) >= 0.9 * len(knobbed)
     assert t.total_cycles <= p.total_cycles
 
 
