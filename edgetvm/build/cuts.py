@@ -57,9 +57,10 @@ def run_key(graph, run, consumers=None) -> str:
             alone = (c.tensors, c.stages, c.outputs, c.consts)
         except BuildError as e:           # an op that is no kernel alone: its error is its key
             alone = str(e)
+        # the views, not the whole tensors: a RoPE table's length follows the build's
+        # largest bucket, which kernels (and so their keys) never see
         wiring = tuple((role, pos.get(producer.get(v.tensor), -1), v.shape, v.strides,
-                        v.offset, graph.tensors[v.tensor].shape)
-                       for role, v in sorted(op.inputs.items()))
+                        v.offset) for role, v in sorted(op.inputs.items()))
         parts.append((alone, wiring))
     return repr(("run", parts))
 
