@@ -113,8 +113,8 @@ class OneByOne:
     def __init__(self, inner):
         self.inner = inner
 
-    def measure(self, task, batch: list) -> list:
-        return [self.inner.measure(task, [kn])[0] for kn in batch]
+    def measure(self, task, batch: list, slow_after: int | None = None) -> list:
+        return [self.inner.measure(task, [kn], slow_after=slow_after)[0] for kn in batch]
 
     def close(self) -> None:
         self.inner.close()

@@ -62,3 +62,23 @@ def test_trials_to_and_medians(monkeypatch):
     assert bench.trials_to(curve, 79) is None
     assert bench.median_trials([3, None, 5]) == 5            # never counts as infinity
     assert math.isinf(bench.median_trials([None, None, 5]))
+
+
+def test_one_by_one_hands_each_candidate_and_the_stop_limit_to_its_measurer(monkeypatch):
+    """With ``--timeout`` the benchmark measures through ``OneByOne``; the tuner passes it
+    the 4x stop limit (``slow_after``), which must reach the inner measurer."""
+    bench = _benchmark_main(monkeypatch)
+    calls = []
+
+    class Inner:
+        def measure(self, task, batch, slow_after=None):
+            calls.append((list(batch), slow_after))
+            return [("m", kn) for kn in batch]
+
+        def close(self):
+            calls.append("closed")
+
+    m = bench.OneByOne(Inner())
+    assert m.measure("t", [1, 2], slow_after=40) == [("m", 1), ("m", 2)]
+    m.close()
+    assert calls == [([1], 40), ([2], 40), "closed"]
