@@ -59,7 +59,7 @@ class Task:
     group: tuple
     count: int = 0               # how often the kernel runs over the selected programs
     phases: set = field(default_factory=set)
-    runs: dict = field(default_factory=dict)     # phase (prefill, decode) -> occurrences
+    per_phase: dict = field(default_factory=dict)  # phase (prefill, decode) -> occurrences
     space: dict = field(default_factory=dict)     # flat knob name -> candidate values
     default_knobs: dict = field(default_factory=dict)
     shape: dict = field(default_factory=dict)     # what the cost features need
@@ -280,7 +280,7 @@ def extract_tasks(mc, keys, strategy: str | None = None) -> list:
                 t.default_knobs = t.to_knobs(t.to_point(t.default_knobs))
             t.count += 1
             t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
-            t.runs[key[0]] = t.runs.get(key[0], 0) + 1
+            t.per_phase[key[0]] = t.per_phase.get(key[0], 0) + 1
     return list(tasks.values())
 
 
@@ -366,7 +366,7 @@ def extract_partition_tasks(mc, keys) -> list:
                     "" if nk is None else nk.key for nk in t.context_kernels(mc)))[:16]
             t.count += 1
             t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
-            t.runs[key[0]] = t.runs.get(key[0], 0) + 1
+            t.per_phase[key[0]] = t.per_phase.get(key[0], 0) + 1
     return list(tasks.values())
 
 

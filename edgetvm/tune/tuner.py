@@ -282,10 +282,10 @@ class Tuner:
         the phase's programs (occurrences x the best cycles of each task) and the gain
         over the defaults, e.g. ``decode 2.1M cyc 1.04x | prefill 7.9M cyc 1.09x``."""
         parts = []
-        for ph in sorted({p for s in self.states for p in s.task.runs}):
+        for ph in sorted({p for s in self.states for p in s.task.per_phase}):
             cur = base = 0
             for s in self.states:
-                n = s.task.runs.get(ph, 0)
+                n = s.task.per_phase.get(ph, 0)
                 if n and s.default_cycles:
                     cur += n * (s.best_cycles or s.default_cycles)
                     base += n * s.default_cycles
