@@ -255,12 +255,18 @@ class ForkMeasurer:
         return self.pool
 
     def measure(self, task, batch: list, slow_after: int | None = None) -> list:
+        return self.measure_many([(task, kn) for kn in batch], slow_after)
+
+    def measure_many(self, pairs: list, slow_after: int | None = None) -> list:
+        """``measure`` for (task, knobs) pairs of any tasks (the baselines of several
+        tasks at once)."""
         import multiprocessing as mp
         pool = self._start()
-        out: list = [None] * len(batch)
-        todo = list(range(len(batch)))
+        out: list = [None] * len(pairs)
+        todo = list(range(len(pairs)))
         while todo:
-            pending = [(i, pool.apply_async(_fork_run, (task.workload, batch[i], slow_after)))
+            pending = [(i, pool.apply_async(_fork_run, (pairs[i][0].workload, pairs[i][1],
+                                                         slow_after)))
                        for i in todo]
             t0, todo = time.time(), []
             for n, (i, r) in enumerate(pending):

@@ -187,17 +187,16 @@ class Tuner:
             return max(self.budget_mw, state.default_peak_mw)
         return self.budget_mw
 
-    def _measure_batch(self, state, batch: list, default: bool = False,
-                       deadline: float | None = None) -> list:
-        """Records of ``batch`` (knob sets of one task); each is in the log before this
-        returns. ``default``: the batch is the task's default knobs (the baseline,
-        measured to its end; others stop at :data:`SLOW` x the task's best). With a
-        ``deadline`` (a ``time.time()``) the batch goes out as many at a time as the
-        measurer runs at once, and no candidate starts after it (the rest are not tried)."""
+    def _measure_batch(self, state, batch: list, deadline: float | None = None) -> list:
+        """Records of ``batch`` (knob sets of one task, not its defaults: see
+        :meth:`_baselines`); each is in the log before this returns. A candidate stops at
+        :data:`SLOW` x the task's best. With a ``deadline`` (a ``time.time()``) the batch
+        goes out as many at a time as the measurer runs at once, and no candidate starts
+        after it (the rest are not tried)."""
         ref = state.best_cycles or state.default_cycles
-        slow_after = None if default or not ref else int(SLOW * ref)
+        slow_after = None if not ref else int(SLOW * ref)
         if deadline is None:
-            return self._records(state, batch, default, self.measurer.measure(
+            return self._records(state, batch, False, self.measurer.measure(
                 state.task, batch, slow_after=slow_after))
         out: list = []
         par = max(1, getattr(self.measurer, "workers", 1))
@@ -205,11 +204,14 @@ class Tuner:
             if out and time.time() >= deadline:
                 break
             part = batch[i:i + par]
-            out += self._records(state, part, default, self.measurer.measure(
+            out += self._records(state, part, False, self.measurer.measure(
                 state.task, part, slow_after=slow_after))
         return out
 
     def _records(self, state, batch: list, default: bool, results: list) -> list:
+        """Log the measurer's ``results`` of ``batch``; ``default``: they are the task's
+        defaults (the baseline: always usable, its peak the task's power limit when over
+        the budget)."""
         out = []
         for kn, (res, wall) in zip(batch, results):
             if isinstance(res, TooSlow):
@@ -245,16 +247,24 @@ class Tuner:
         first (:attr:`~edgetvm.tune.tasks.Task.size_hint` x runs), until ``deadline``
         (a ``time.time()``) or ``trials`` measurements: the budget covers them, and a task
         left without a baseline keeps its defaults untuned."""
-        order = sorted(self.states, key=lambda s: (-s.task.count * s.task.size_hint,
-                                                   s.task.key))
+        todo = sorted((s for s in self.states if s.default_cycles is None and
+                       not s.exhausted),
+                      key=lambda s: (-s.task.count * s.task.size_hint, s.task.key))
+        # as many tasks at once as the measurer runs (a pool measures any tasks' knobs)
+        many = getattr(self.measurer, "measure_many", None)
+        par = max(1, getattr(self.measurer, "workers", 1)) if many else 1
         left_out = 0
-        for s in order:
-            if s.default_cycles is None and not s.exhausted:
-                if left_out or (deadline is not None and time.time() >= deadline) or \
-                        (trials is not None and self.measured_now >= trials):
-                    left_out += 1
-                    continue
-                (rec,) = self._measure_batch(s, [s.task.default_knobs], default=True)
+        while todo:
+            if (deadline is not None and time.time() >= deadline) or \
+                    (trials is not None and self.measured_now >= trials):
+                left_out = len(todo)
+                break
+            n = par if trials is None else max(1, min(par, trials - self.measured_now))
+            part, todo = todo[:n], todo[n:]
+            results = many([(s.task, s.task.default_knobs) for s in part]) if many else \
+                [self.measurer.measure(s.task, [s.task.default_knobs])[0] for s in part]
+            for s, res in zip(part, results):
+                (rec,) = self._records(s, [s.task.default_knobs], True, [res])
                 s.offer(rec)
                 s.default_peak_mw = rec.peak_power_mw
                 if rec.status not in (OK, OVER_BUDGET):
@@ -263,6 +273,7 @@ class Tuner:
                     s.exhausted = True
                     continue
                 s.default_cycles = rec.cycles
+        for s in self.states:
             if not s.history and s.default_cycles:
                 s.history.append(s.best_cycles or s.default_cycles)
         if left_out:
