@@ -66,7 +66,8 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
     """Compile ``onnx_path`` into ``output`` (model.npu); returns the manifest.
     ``max_tokens``: the KV capacity (default 1024, or fewer if the model addresses fewer
     positions); ``log_dir``: a tuning log whose best knobs per kernel and best cuts per
-    run of fusable ops replace the defaults and the strategy's boundaries (refused if its records are of another model, spec, profile, quantization or
+    run of fusable ops replace the defaults and the strategy's boundaries (refused if its
+    records are of another model, spec, profile, quantization or
     version)."""
     from edgetvm.build.compiler import ModelCompiler
     from edgetvm.build.package import write_artifact

@@ -73,6 +73,17 @@ class Task:
         return tuple(None if grp is None else mc.kernels.kernel(self.graph, list(grp), cons)
                      for grp in (self.before, self.after))
 
+    def set_context(self, mc) -> None:
+        """:attr:`context`: the hash of the neighbouring kernels' keys."""
+        self.context = workload_hash("|".join(
+            "" if nk is None else nk.key for nk in self.context_kernels(mc)))[:16]
+
+    def occurs_in(self, key) -> None:
+        """Count one occurrence in the phase program ``key`` ((phase, rows, pages))."""
+        self.count += 1
+        self.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
+        self.per_phase[key[0]] = self.per_phase.get(key[0], 0) + 1
+
     @property
     def label(self) -> str:
         """The kernel and its shape, for people: ``mlp m=1 1536x576,1536x576,576x1536``."""
@@ -90,8 +101,6 @@ class Task:
         query tiles x KV tiles x heads; embedding row tiles. What the tuner compares with
         the defaults' count to leave out command streams that take minutes to lower."""
         sh = self.shape
-        if self.kind == "partition":
-            return 0
         rows = sh["rows"]
         if self.kind == "cluster":
             row_tiles = -(-rows // knobs.get("tile_m", rows))
@@ -116,8 +125,6 @@ class Task:
             return int(sh["const_bytes"] + sum(sh["row_bytes"].values()))
         if self.kind == "embedding":
             return int(sh["rows"] * sh["hidden"] * 2)
-        if self.kind == "partition":
-            return int(sum(sh["const_bytes"]) + sum(sh["cut_bytes"]))
         return int(2 * sh["capacity"] * sh["kv_heads"] * sh["head_dim"] * 2 +
                    2 * sh["rows"] * sh["q_heads"] * sh["head_dim"] * 2)
 
@@ -272,15 +279,12 @@ def extract_tasks(mc, keys, strategy: str | None = None) -> list:
                 t = tasks[k.key] = Task(k.key, kind, k.name, g, tuple(group), space=space,
                                         default_knobs=dict(k.knobs), shape=shape,
                                         before=before, after=after)
-                t.context = workload_hash("|".join(
-                    "" if nk is None else nk.key for nk in t.context_kernels(mc)))[:16]
+                t.set_context(mc)
                 t.include(t.default_knobs)
                 # the defaults in the space's own form, so that the search never measures
                 # them again under another spelling (slots_in 2 vs {"t0": 2})
                 t.default_knobs = t.to_knobs(t.to_point(t.default_knobs))
-            t.count += 1
-            t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
-            t.per_phase[key[0]] = t.per_phase.get(key[0], 0) + 1
+            t.occurs_in(key)
     return list(tasks.values())
 
 
@@ -299,6 +303,13 @@ class PartitionTask(Task):
     def label(self) -> str:
         sh = self.shape
         return f"cuts of {sh['ops']} ops m={sh['rows']} {self.name}"
+
+    def tile_ops(self, knobs: dict) -> int:
+        return 0                       # its clusters keep their default tiles
+
+    @property
+    def size_hint(self) -> int:
+        return int(sum(self.shape["const_bytes"]) + sum(self.shape["cut_bytes"]))
 
     def to_knobs(self, point: dict) -> dict:
         free = [int(k[len("cut_"):]) for k, v in point.items() if v]
@@ -362,11 +373,8 @@ def extract_partition_tasks(mc, keys) -> list:
                     before=tuple(groups[a - 1]) if a > 0 else None,
                     after=tuple(groups[b + 1]) if b + 1 < len(groups) else None,
                     forced=tuple(forced))
-                t.context = workload_hash("|".join(
-                    "" if nk is None else nk.key for nk in t.context_kernels(mc)))[:16]
-            t.count += 1
-            t.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
-            t.per_phase[key[0]] = t.per_phase.get(key[0], 0) + 1
+                t.set_context(mc)
+            t.occurs_in(key)
     return list(tasks.values())
 
 

@@ -478,3 +478,48 @@ def test_the_shipped_smollm2_log_matches_the_export():
     replay = Replay(str(repo / "tuning_logs" / "smollm2-135m"),
                     log_context(model, load_spec("edge-npu-16mb"), "performance", None))
     assert len(replay.best) >= 10
+
+
+def test_a_time_budget_covers_the_baselines(tmp_path, mc):
+    """The defaults' baselines count against ``time_budget`` (before, every task's defaults
+    were measured first, minutes on a large model): a budget of half a second measures a
+    few baselines and leaves the other tasks at their defaults, every measurement logged."""
+    d = str(tmp_path / "log")
+    tasks = extract_tasks(mc, mc.phase_keys((8, 16)))
+    with TuningLog(d) as tlog:
+        rep = Tuner(mc, tasks, tlog, log_context(LLAMA, mc.spec, None, None),
+                    progress=False).run(time_budget=0.5)
+    rows = rep["tasks"]
+    assert 1 <= rep["measured"] < len(rows)
+    assert any(r["default_cycles"] is None for r in rows)
+    assert sum(r["default_cycles"] is not None for r in rows) == rep["measured"]
+    assert len(TuningLog(d).records()) == rep["measured"]
+
+
+def test_candidates_with_far_more_tile_operations_than_the_defaults_are_never_proposed(
+        tmp_path):
+    """A prefill-512 attention at 8x16 tiles issues 27x the default's commands (minutes to
+    lower): proposals stay within MAX_TILE_OPS x the defaults' tile operations, counted
+    here from the tile sizes alone."""
+    import math
+    import random as _random
+
+    from edgetvm.tune.tuner import MAX_TILE_OPS
+    big = ModelCompiler(LLAMA, max_rows=512)
+    t = next(t for t in extract_tasks(big, [("prefill", 512, 32)])
+             if t.kind == "prefill_attention")
+
+    def ops(kn):
+        return math.ceil(512 / kn["tile_q"]) * math.ceil(t.shape["capacity"] / kn["tile_kv"])
+    assert any(ops(t.to_knobs(p)) > MAX_TILE_OPS * ops(t.default_knobs)
+               for p in t.sample(_random.Random(0), 64, set()))    # the space has them
+    with TuningLog(str(tmp_path / "log")) as tlog:
+        tuner = Tuner(big, [t], tlog, log_context(LLAMA, big.spec, None, None),
+                      progress=False)
+        s = tuner.states[0]
+        s.default_cycles = 1                         # no baseline needed to propose
+        for _ in range(4):
+            batch = tuner._propose(s, 16)
+            assert batch
+            assert all(ops(kn) <= MAX_TILE_OPS * ops(t.default_knobs) for kn in batch)
+            s.seen |= {canonical_knobs(kn) for kn in batch}
