@@ -250,17 +250,16 @@ class TuningLog:
 
         Cycles measured in different contexts (``neighbours``: another set of tuned
         programs put other kernels beside it) are not compared: per workload the context
-        with the most measurements is used (ties: the smaller name)."""
-        count: dict = {}
+        of its latest measurement is used (ties: the smaller name). The latest tuning run
+        tuned the kernels of the partition of the log's best cuts, which is the partition
+        a replay builds; an earlier run may have tuned them beside other cuts."""
+        latest: dict = {}                      # workload -> (time, neighbours)
         for r in records:
-            if r.status == OK:
-                key = (r.workload, r.neighbours)
-                count[key] = count.get(key, 0) + 1
-        chosen: dict = {}
-        for (w, n), c in count.items():
-            cur = chosen.get(w)
-            if cur is None or (-c, n) < (-count[(w, cur)], cur):
-                chosen[w] = n
+            cur = latest.get(r.workload)
+            if r.status == OK and (cur is None or r.time > cur[0] or
+                                   (r.time == cur[0] and r.neighbours < cur[1])):
+                latest[r.workload] = (r.time, r.neighbours)
+        chosen = {w: n for w, (_, n) in latest.items()}
         best: dict = {}
         for r in records:
             if r.status != OK or chosen[r.workload] != r.neighbours:

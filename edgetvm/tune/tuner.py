@@ -9,14 +9,20 @@ over the kernels of the partition it chose (:func:`edgetvm.tune.cli.tune`).
 Loop (MetaSchedule's shape: ``TaskScheduler`` -> ``SearchStrategy`` -> ``CostModel`` ->
 ``Runner`` -> ``Database``, here over the NPU's knob records):
 
-1. every task's default knobs are measured first (its baseline and its weight: how often
-   it runs x that latency), the largest first, within the budget; a record already in
-   the log is reused, not measured again;
-2. the scheduler picks a task: each task once (warm-up, the heaviest first: runs x
-   default cycles), then the one whose gradient is
-   largest, ``count * (alpha * backward + (1 - alpha) * forward)``, with ``backward`` the
-   cycles its best fell per round over the last rounds and ``forward`` the optimistic
-   ``best / (trials + 1)`` (MetaSchedule's ``GradientBased`` task scheduler);
+1. the scheduler picks the task whose gradient is largest,
+   ``count * (alpha * backward + (1 - alpha) * forward)``, with ``backward`` the cycles
+   its best fell per round over the last rounds and ``forward`` the optimistic
+   ``best / (trials + 1)`` (MetaSchedule's ``GradientBased`` task scheduler). Under a
+   time budget the gradient is per second of the task's mean trial time: a prefill
+   attention whose candidates take 20 s each yields its turn to a kernel that gains as
+   much in 5 s;
+2. a task with no baseline yet has its default knobs measured first (with the next
+   baselines, as many as the measurer runs at once); until then its cycles are
+   estimated from its bytes (:attr:`~edgetvm.tune.tasks.Task.size_hint`) at the
+   measured tasks' cycles per byte. So baselines are measured only for tasks the
+   budget reaches, the heaviest first: a baseline alone gains nothing, and measuring
+   every task's before tuning any spent a 5-minute budget on baselines alone. A
+   baseline already in the log is reused, not measured again;
 3. a round proposes ``batch`` unseen candidates: a pool of random points and the
    neighbours of the best one (one knob changed), ranked by the XGBoost model once it
    has data (a quarter of the batch stays random, for exploration), else random;
@@ -151,7 +157,9 @@ class Tuner:
                     s.default_cycles = r.cycles
                     s.default_peak_mw = r.peak_power_mw
                     s.default_over = (r.error or "").startswith(DEFAULTS_OVER)
-        self._pending_training = recs
+            if s.default_cycles:
+                s.history.append(s.best_cycles or s.default_cycles)
+        self._train_from(recs)
         if recs:
             log.info("resumed %d records of %d tasks from %s", len(recs),
                      len({r.workload for r in recs}), self.log.path)
@@ -242,45 +250,51 @@ class Tuner:
         return out
 
     # -- the loop --------------------------------------------------------------------------
-    def _baselines(self, deadline: float | None = None, trials: int | None = None) -> None:
-        """Measure the default knobs of every task that has no baseline yet, the largest
-        first (:attr:`~edgetvm.tune.tasks.Task.size_hint` x runs), until ``deadline``
-        (a ``time.time()``) or ``trials`` measurements: the budget covers them, and a task
-        left without a baseline keeps its defaults untuned."""
-        todo = sorted((s for s in self.states if s.default_cycles is None and
-                       not s.exhausted),
-                      key=lambda s: (-s.task.count * s.task.size_hint, s.task.key))
-        # as many tasks at once as the measurer runs (a pool measures any tasks' knobs)
+    def _baselines(self, states: list) -> None:
+        """Measure the default knobs of ``states`` (as many tasks at once as the measurer
+        runs); a task whose defaults do not measure is left out of the search."""
+        many = getattr(self.measurer, "measure_many", None)
+        results = many([(s.task, s.task.default_knobs) for s in states]) if many else \
+            [self.measurer.measure(s.task, [s.task.default_knobs])[0] for s in states]
+        recs = []
+        for s, res in zip(states, results):
+            (rec,) = self._records(s, [s.task.default_knobs], True, [res])
+            s.offer(rec)
+            s.default_peak_mw = rec.peak_power_mw
+            if rec.status not in (OK, OVER_BUDGET):
+                log.warning("task %s: the default knobs do not measure (%s); skipped",
+                            s.task.name, rec.error)
+                s.exhausted = True
+                continue
+            s.default_cycles = rec.cycles
+            s.history.append(s.best_cycles or s.default_cycles)
+            recs.append(rec)
+        self._train_from(recs)
+
+    def _next_baselines(self, first, trials: int | None) -> list:
+        """``first`` and, to fill the measurer's workers, the next tasks without a
+        baseline, the heaviest (estimated) first."""
         many = getattr(self.measurer, "measure_many", None)
         par = max(1, getattr(self.measurer, "workers", 1)) if many else 1
-        left_out = 0
-        while todo:
-            if (deadline is not None and time.time() >= deadline) or \
-                    (trials is not None and self.measured_now >= trials):
-                left_out = len(todo)
-                break
-            n = par if trials is None else max(1, min(par, trials - self.measured_now))
-            part, todo = todo[:n], todo[n:]
-            results = many([(s.task, s.task.default_knobs) for s in part]) if many else \
-                [self.measurer.measure(s.task, [s.task.default_knobs])[0] for s in part]
-            for s, res in zip(part, results):
-                (rec,) = self._records(s, [s.task.default_knobs], True, [res])
-                s.offer(rec)
-                s.default_peak_mw = rec.peak_power_mw
-                if rec.status not in (OK, OVER_BUDGET):
-                    log.warning("task %s: the default knobs do not measure (%s); skipped",
-                                s.task.name, rec.error)
-                    s.exhausted = True
-                    continue
-                s.default_cycles = rec.cycles
-        for s in self.states:
-            if not s.history and s.default_cycles:
-                s.history.append(s.best_cycles or s.default_cycles)
-        if left_out:
-            log.warning("the budget ended before %d of %d tasks had a baseline; they keep "
-                        "their default knobs", left_out, len(self.states))
-        self._train_from(self._pending_training)
-        self._pending_training = []
+        if trials is not None:
+            par = max(1, min(par, trials - self.measured_now))
+        rest = sorted((s for s in self.states if s is not first and not s.exhausted
+                       and s.default_cycles is None),
+                      key=lambda s: (-s.task.count * self.estimated_cycles(s), s.task.key))
+        return [first] + rest[:par - 1]
+
+    def estimated_cycles(self, s) -> float:
+        """The task's cycles: its best or default if measured, else its
+        :attr:`~edgetvm.tune.tasks.Task.size_hint` at the median cycles per byte of the
+        measured tasks of its kind (of any kind when none is measured yet)."""
+        if s.best_cycles or s.default_cycles:
+            return s.best_cycles or s.default_cycles
+        rates = {}
+        for o in self.states:
+            if o.default_cycles and o.task.size_hint:
+                rates.setdefault(o.task.kind, []).append(o.default_cycles / o.task.size_hint)
+        same = rates.get(s.task.kind) or [r for v in rates.values() for r in v] or [1.0]
+        return float(np.median(same)) * max(1, s.task.size_hint)
 
     def step_cycles(self) -> int:
         """Sum over the tasks of (occurrences x the cycles of the knobs a build replays:
@@ -307,21 +321,28 @@ class Tuner:
     def default_step_cycles(self) -> int:
         return sum(s.task.count * (s.default_cycles or 0) for s in self.states)
 
-    def _pick(self):
-        live = [s for s in self.states if not s.exhausted and s.default_cycles]
+    def _pick(self, timed: bool = False):
+        """The task to tune next: the largest gradient (see the module's docstring), per
+        second of its mean trial time when ``timed``; None when every space is
+        exhausted."""
+        live = [s for s in self.states if not s.exhausted]
         if not live:
             return None
-        fresh = [s for s in live if len(s.history) < 2]
-        if fresh:               # warm-up: the heaviest first (a budget may end it early)
-            return max(fresh, key=lambda s: (s.task.count * s.default_cycles, s.task.key))
+        walls = [s.wall_s / s.walls for s in self.states if s.walls]
+        typical = float(np.median(walls)) if walls else 1.0
 
         def grad(s):
             h = s.history
-            w = min(self.window, len(h) - 1)
-            backward = (h[-1 - w] - h[-1]) / w
-            forward = (s.best_cycles or s.default_cycles) / (s.trials + 1)
-            return s.task.count * (self.alpha * backward + (1 - self.alpha) * forward)
-        return max(live, key=grad)
+            forward = self.estimated_cycles(s) / (s.trials + 1)
+            g = forward
+            if len(h) >= 2:
+                w = min(self.window, len(h) - 1)
+                g = self.alpha * (h[-1 - w] - h[-1]) / w + (1 - self.alpha) * forward
+            g *= s.task.count
+            if timed:
+                g /= max(1e-3, s.wall_s / s.walls if s.walls else typical)
+            return g
+        return max(live, key=lambda s: (grad(s), s.task.key))
 
     def _propose(self, s, n: int) -> list:
         t = s.task
@@ -363,33 +384,35 @@ class Tuner:
         if trials is None and time_budget is None:
             raise TuneError("give a budget: trials or a time budget")
         t_start = time.time()
+        deadline = None if time_budget is None else t_start + time_budget
         bar = _bar(trials, self.progress, self.desc)
         try:
-            self._baselines(None if time_budget is None else t_start + time_budget, trials)
-            bar.update(self.measured_now)
             while True:
                 if trials is not None and self.measured_now >= trials:
                     break
-                if time_budget is not None and time.time() - t_start >= time_budget:
+                if deadline is not None and time.time() >= deadline:
                     break
-                s = self._pick()
+                s = self._pick(timed=deadline is not None)
                 if s is None:
                     break
+                before = self.measured_now
+                if s.default_cycles is None:
+                    self._baselines(self._next_baselines(s, trials))
+                    bar.update(self.measured_now - before)
+                    continue
                 n = self.batch if trials is None else min(self.batch,
                                                           trials - self.measured_now)
-                if time_budget is not None and s.walls:
+                if deadline is not None and s.walls:
                     # no batch that would end well past the budget: as many candidates as
                     # this task's mean trial time leaves room for (at least one)
-                    left = time_budget - (time.time() - t_start)
+                    left = deadline - time.time()
                     par = getattr(self.measurer, "workers", 1)    # candidates at once
                     n = min(n, par * (int(left / max(1e-3, s.wall_s / s.walls)) + 1))
                 batch = self._propose(s, max(1, n))
                 if not batch:
                     s.exhausted = True
                     continue
-                before = self.measured_now
-                recs = self._measure_batch(
-                    s, batch, deadline=None if time_budget is None else t_start + time_budget)
+                recs = self._measure_batch(s, batch, deadline=deadline)
                 for r in recs:
                     s.offer(r)
                 self._train_from(recs)
@@ -400,6 +423,11 @@ class Tuner:
                 bar.set_postfix_str(self.progress_text())
         finally:
             bar.close()
+        unmeasured = sum(1 for s in self.states if s.default_cycles is None
+                         and not s.exhausted)
+        if unmeasured:
+            log.info("the budget reached %d of %d tasks; the other %d keep their default "
+                     "knobs", len(self.states) - unmeasured, len(self.states), unmeasured)
         return self.report(time.time() - t_start)
 
     def report(self, seconds: float) -> dict:
@@ -407,6 +435,7 @@ class Tuner:
         for s in self.states:
             t = s.task
             rows.append(dict(task=t.label, kind=t.kind, workload=t.workload[:12],
+                             context=t.context,
                              count=t.count, phases=sorted(t.phases),
                              default_cycles=s.default_cycles, best_cycles=s.best_cycles,
                              speedup=(s.default_cycles / s.best_cycles)

@@ -127,12 +127,14 @@ def test_the_space_holds_the_defaults_of_tall_row_tiles():
     assert mlp.space["tile_m"] == sorted(before + [256]) and mlp.to_point(odd)["tile_m"] == 256
 
 
-def test_tuning_improves_logs_everything_and_resumes_without_remeasuring(tuned):
+def test_tuning_improves_logs_everything_and_resumes_without_remeasuring(tuned, tmp_path):
     d, rep = tuned
     assert rep["measured"] == 150
     assert rep["step_cycles_tuned"] < rep["step_cycles_default"]
-    for row in rep["tasks"]:
-        assert row["default_cycles"] and row["best_cycles"] <= row["default_cycles"]
+    reached = [row for row in rep["tasks"] if row["default_cycles"]]
+    assert len(reached) >= 5
+    for row in reached:
+        assert row["best_cycles"] <= row["default_cycles"]
     # both stages ran: the kernel boundaries first, then the tiles of the chosen clusters
     assert [st["stage"] for st in rep["stages"]] == ["cuts", "tiles"]
     assert rep["stages"][0]["measured"] <= 38        # ceil(150 x CUT_SHARE)
@@ -150,13 +152,19 @@ def test_tuning_improves_logs_everything_and_resumes_without_remeasuring(tuned):
     seen = {(r.workload, r.knobs_key) for r in recs}
     assert len(seen) == len(recs)
     # rerun with the same log: the baselines come from the log, nothing is tried twice
-    rep2 = tune(LLAMA, **SMALL, trials=30, log_dir=d, progress=False, seed=1)
-    recs2 = TuningLog(d).records()
+    # (on a copy: the other tests replay the fixture's log of one run)
+    import shutil
+    d = shutil.copytree(d, tmp_path / "resumed")
+    rep2 = tune(LLAMA, **SMALL, trials=30, log_dir=str(d), progress=False, seed=1)
+    recs2 = TuningLog(str(d)).records()
     assert rep2["measured"] == 30 and len(recs2) == 180
-    assert len({(r.workload, r.knobs_key) for r in recs2}) == 180
-    before = {r["workload"]: r for r in rep["tasks"]}
-    again = [(before[b["workload"]], b) for b in rep2["tasks"] if b["workload"] in before]
-    assert len(again) >= 0.8 * len(rep2["tasks"])
+    # (a kernel measured between other neighbours, after the cut stage chose another
+    # partition, is another measurement)
+    assert len({(r.workload, r.knobs_key, r.neighbours) for r in recs2}) == 180
+    before = {(r["workload"], r["context"]): r for r in rep["tasks"]}
+    again = [(before[b["workload"], b["context"]], b) for b in rep2["tasks"]
+             if (b["workload"], b["context"]) in before]
+    assert len(again) >= 0.5 * len(rep2["tasks"])
     for a, b in again:
         if a["default_cycles"] is not None:
             assert b["best_cycles"] <= a["best_cycles"] and \
@@ -233,9 +241,13 @@ def test_replay_builds_identical_bytes_with_the_logged_knobs_and_latency(tuned, 
     build(LLAMA, str(plain), **SMALL, progress=False)
     assert a.read_bytes() == b.read_bytes()
     assert a.read_bytes() != plain.read_bytes()
-    kinds = [r["kind"] for r in rep["tasks"]]
-    assert m["tuning"]["runs_cut"] == kinds.count("partition")
-    assert m["tuning"]["kernels_tuned"] == len(kinds) - kinds.count("partition")
+    # the runs whose cuts the log has (the tuner reached them: measured at least their
+    # defaults; this run's and the resumed run's) replay; so do the kernels it has
+    recs = TuningLog(d).records()
+    assert m["tuning"]["runs_cut"] == len({r.workload for r in recs
+                                           if r.kind == "partition" and r.status == OK}) > 0
+    assert 0 < m["tuning"]["kernels_tuned"] <= len(
+        {r.workload for r in recs if r.kind != "partition" and r.status == OK})
     # every kernel of every program carries its log's best knobs
     best = TuningLog.best(TuningLog(d).records())
     replay = Replay(d, log_context(LLAMA, load_spec("edge-npu-16mb"), None, None))
@@ -254,8 +266,9 @@ def test_replay_builds_identical_bytes_with_the_logged_knobs_and_latency(tuned, 
         for grp in mc.partition(g):
             k = mc.kernels.kernel(g, grp, cons)
             r = best.get(workload_hash(k.key))
-            if r is None:
-                assert g.ops[grp[0]].kind == "kv_append"
+            if r is None:            # a KV append (no knobs) or a task never reached
+                assert canonical_knobs(k.knobs) == canonical_knobs(
+                    plain_mc.kernels.kernel(g, grp, cons).knobs)
                 continue
             assert canonical_knobs(k.knobs) == r.knobs_key
             # the replayed knobs measure what the log recorded, in the same context
@@ -263,7 +276,7 @@ def test_replay_builds_identical_bytes_with_the_logged_knobs_and_latency(tuned, 
             assert r.neighbours == t.context
             assert measure_candidate(plain_mc, t, r.knobs, emu).cycles == r.cycles
             checked += 1
-    assert checked >= 20
+    assert checked >= 12
 
 
 def test_build_refuses_a_log_of_another_profile_or_quantization(tuned, tmp_path, capsys):
@@ -482,18 +495,41 @@ def test_the_shipped_smollm2_log_matches_the_export():
 
 def test_a_time_budget_covers_the_baselines(tmp_path, mc):
     """The defaults' baselines count against ``time_budget`` (before, every task's defaults
-    were measured first, minutes on a large model): a budget of half a second measures a
-    few baselines and leaves the other tasks at their defaults, every measurement logged."""
+    were measured first, minutes on a large model): a budget of half a second reaches a
+    few tasks and leaves the others at their defaults, every measurement logged."""
     d = str(tmp_path / "log")
     tasks = extract_tasks(mc, mc.phase_keys((8, 16)))
     with TuningLog(d) as tlog:
         rep = Tuner(mc, tasks, tlog, log_context(LLAMA, mc.spec, None, None),
                     progress=False).run(time_budget=0.5)
     rows = rep["tasks"]
-    assert 1 <= rep["measured"] < len(rows)
-    assert any(r["default_cycles"] is None for r in rows)
-    assert sum(r["default_cycles"] is not None for r in rows) == rep["measured"]
+    assert rep["measured"] >= 1
+    assert 1 <= sum(r["default_cycles"] is not None for r in rows) < len(rows) / 2
+    assert sum(r["trials"] for r in rows) == rep["measured"]
     assert len(TuningLog(d).records()) == rep["measured"]
+
+
+def test_baselines_are_measured_only_for_tasks_the_budget_tunes(tmp_path, mc):
+    """A baseline alone gains nothing: with 40 trials for 5 tasks of 4 prefill buckets
+    (one baseline each would leave 35 trials), the heavy tasks get baselines and several
+    rounds of candidates, and the budget is not spread as a baseline per task first."""
+    tasks = extract_tasks(mc, mc.phase_keys((4, 8, 16)))
+    assert len(tasks) > 12
+    with TuningLog(str(tmp_path / "log")) as tlog:
+        tuner = Tuner(mc, tasks, tlog, log_context(LLAMA, mc.spec, None, None),
+                      progress=False, seed=0)
+        rep = tuner.run(trials=40)
+    rows = rep["tasks"]
+    tuned = [r for r in rows if r["trials"] > 1]
+    assert rep["measured"] == 40 and tuned
+    assert any(r["default_cycles"] is None for r in rows)      # some never reached
+    assert max(r["trials"] for r in rows) > tuner.batch         # a second round
+    # the tasks tuned were the heavy ones: each outweighs (runs x default cycles) every
+    # reached task left at its baseline
+    weight = {r["workload"]: r["count"] * r["default_cycles"] for r in rows
+              if r["default_cycles"]}
+    left = [weight[r["workload"]] for r in rows if r["trials"] == 1 and r["default_cycles"]]
+    assert not left or min(weight[r["workload"]] for r in tuned) >= 0.5 * max(left)
 
 
 def test_candidates_with_far_more_tile_operations_than_the_defaults_are_never_proposed(

@@ -49,13 +49,16 @@ def test_best_per_workload_ignores_failures_and_breaks_ties_by_knobs():
 
 def test_best_never_compares_cycles_of_different_measuring_contexts(tmp_path):
     """Cycles in context depend on the neighbours: a record measured beside other kernels
-    (another selection of programs) is not compared; the context measured most wins."""
+    (another partition, another selection of programs) is not compared; the context
+    measured last wins (the latest run tuned the partition a replay builds)."""
     import dataclasses
-    a = [dataclasses.replace(rec(i, c), neighbours="aaaa") for i, c in ((1, 100), (2, 90),
-                                                                      (3, 95))]
-    b = [dataclasses.replace(rec(9, 10), neighbours="bbbb")]
+    a = [dataclasses.replace(rec(i, c), neighbours="aaaa", time=1000.0 + i)
+         for i, c in ((1, 100), (2, 90), (3, 95))]
+    b = [dataclasses.replace(rec(9, 10), neighbours="bbbb", time=999.0)]
     assert TuningLog.best(a + b)["w0"].cycles == 90
     assert TuningLog.best(b + a)["w0"].cycles == 90
+    c = [dataclasses.replace(rec(8, 97), neighbours="cccc", time=2000.0)]
+    assert TuningLog.best(a + b + c)["w0"].cycles == 97       # not 10, not 90
     # a version-1 record (measured alone) loads, in the context ""
     with TuningLog(str(tmp_path / "log")) as tl:
         tl.append(a[0])
