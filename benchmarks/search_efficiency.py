@@ -25,6 +25,16 @@ Under one seed both methods measure the same first ``batch + 1`` trials (the def
 one random round: the model ranks only once it has measurements), so a target reached
 there gives 1.00x by construction.
 
+That is a cold start, which a tune meets only at its first task: ``python -m
+edgetvm.tune`` shares one model across its tasks, so when the scheduler reaches a task
+the model has already learned the others (the same MLP at other buckets, other runs'
+cuts). The third method, ``warm``, measures that: the model first learns a *sister*
+task's measurements (:meth:`~edgetvm.tune.tuner.Tuner.learn`; the sister is one
+``model`` run of the same role in the programs with half the prefill rows and half the
+KV capacity, or where that is the same task, the most similar other task of its kind),
+then tunes the task from its first round. Its ratio is warm / random; the sister's
+trials are not counted (``--no-warm`` skips it).
+
 Candidates are measured in one forked worker with the tuner's timeout (``--timeout``,
 default 10 s): a candidate past it is a failed trial, as in ``python -m edgetvm.tune``.
 The tuner itself stops a candidate once it has cost 4x the task's best (a failed trial
@@ -59,7 +69,8 @@ import time
 from pathlib import Path
 
 from edgetvm.build.compiler import ModelCompiler
-from edgetvm.tune.cli import log_context, make_measurer
+from edgetvm.tune.cli import make_measurer
+from edgetvm.tune.log import log_context
 from edgetvm.tune.log import FAILED, OK, REJECTED, Replay, TuningLog, canonical_knobs
 from edgetvm.tune.tasks import extract_partition_tasks, extract_tasks
 from edgetvm.tune.tuner import Tuner
@@ -104,6 +115,29 @@ def pick_tasks(mc, decode_key, prefill_key) -> dict:
     return out
 
 
+def pick_sister(mc, role: str, task, keys: list):
+    """The task whose measurements warm the cost model for ``task`` (the ``warm``
+    method): the same role in the programs ``keys`` (prefill at half the rows, decode at
+    half the KV capacity), else, when that is ``task`` itself (a decode MLP serves every
+    capacity), the most similar other task of its kind there: a cluster of the same row
+    count with the most matmuls, another run's cuts. None when there is none."""
+    if not keys:
+        return None
+    same = pick_tasks(mc, *keys)[role]
+    if same is not None and same.workload != task.workload:
+        return same
+    if task.kind == "partition":
+        pool = extract_partition_tasks(mc, [keys[1]]) + extract_partition_tasks(mc, [keys[0]])
+    else:
+        pool = [t for t in extract_tasks(mc, list(keys)) if t.kind == task.kind]
+        if task.kind == "cluster":
+            pool = [t for t in pool if t.shape["rows"] == task.shape["rows"] and
+                    t.shape["matmuls"]]
+    pool = [t for t in pool if t.workload != task.workload]
+    return max(pool, key=lambda t: (len(t.shape.get("matmuls", ())), t.space_size, t.key),
+               default=None)
+
+
 class OneByOne:
     """A measurer that hands its inner one a batch's candidates one at a time, so that a
     timeout is a candidate's own: a pool given the whole batch starts every candidate's
@@ -121,8 +155,10 @@ class OneByOne:
 
 
 def tune_once(mc, task, ctx, seed: int, use_model: bool, trials: int, batch: int,
-              timeout: float = 0.0) -> dict:
-    """One run on a fresh log: its curve, best, and what the checks need."""
+              timeout: float = 0.0, prior=None) -> dict:
+    """One run on a fresh log: its curve, best, and what the checks need. ``prior``:
+    (another task, its records) the cost model learns from before the run
+    (:meth:`~edgetvm.tune.tuner.Tuner.learn`)."""
     t0 = time.time()
     if timeout:
         # one forked worker: a candidate past ``timeout`` is a failed trial (the tuner's
@@ -136,6 +172,7 @@ def tune_once(mc, task, ctx, seed: int, use_model: bool, trials: int, batch: int
             with TuningLog(d) as tlog:
                 tuner = Tuner(mc, [task], tlog, ctx, seed=seed, batch=batch,
                               measurer=measurer, use_model=use_model, progress=False)
+                learned = tuner.learn(*prior) if prior else 0
                 rep = tuner.run(trials=trials)
                 recs, skipped = tlog.records(), tlog.skipped
             (row,) = rep["tasks"]
@@ -180,7 +217,10 @@ def tune_once(mc, task, ctx, seed: int, use_model: bool, trials: int, batch: int
     keys = [k for k, _ in measured]
     if len(set(keys)) != len(keys):
         errors.append(f"{len(keys) - len(set(keys))} knob set(s) measured twice in one run")
-    return dict(seed=seed, curve=curve, measured=measured, best_cycles=row["best_cycles"],
+    if prior and not learned:
+        errors.append("the warm start learned nothing from its sister task's records")
+    return dict(seed=seed, curve=curve, measured=measured, records=recs, learned=learned,
+                best_cycles=row["best_cycles"],
                 best_knobs=row["best_knobs"], default_cycles=row["default_cycles"],
                 trials=row["trials"], rejected=row["rejected"], failed=row["failed"],
                 remeasured_cycles=again, seconds=round(time.time() - t0, 2), errors=errors,
@@ -221,11 +261,21 @@ def compare(role: str, task, runs: dict, trials: int) -> dict:
     best = min(r["best_cycles"] for rs in runs.values() for r in rs if r["best_cycles"])
     default = runs["model"][0]["default_cycles"]
     target = WITHIN * best
-    per, med, ratio, bound, met = trials_ratio(runs, target, trials)
+    cold = {m: runs[m] for m in ("model", "random")}
+    per, med, ratio, bound, met = trials_ratio(cold, target, trials)
+    warm = None
+    if runs.get("warm"):
+        w_per, w_med, w_ratio, w_bound, w_met = trials_ratio(
+            {"model": runs["warm"], "random": runs["random"]}, target, trials)
+        warm = dict(trials_to_5pct=w_per["model"],
+                    median_trials_to_5pct=None if math.isinf(w_med["model"])
+                    else w_med["model"], ratio=w_ratio, ratio_bound=w_bound,
+                    goal_met=None if default and default <= target else w_met,
+                    learned=[r["learned"] for r in runs["warm"]])
     # the same with the target 95 % of the way from the default to the best: says
     # something where the default is already within 5 % of the best
     gain_target = best + (1 - GAIN) * ((default or best) - best)
-    g_per, g_med, g_ratio, g_bound, g_met = trials_ratio(runs, gain_target, trials)
+    g_per, g_med, g_ratio, g_bound, g_met = trials_ratio(cold, gain_target, trials)
     notes = []
     if default and default <= target:
         notes.append("the default knobs are within 5 % of the best: nothing to search "
@@ -246,9 +296,9 @@ def compare(role: str, task, runs: dict, trials: int) -> dict:
                 median_trials_to_95pct_gain={k: None if math.isinf(v) else v
                                              for k, v in g_med.items()},
                 gain_ratio=g_ratio, gain_ratio_bound=g_bound, gain_goal_met=g_met,
-                notes=notes,
-                runs={k: [{x: y for x, y in run.items() if x != "measured"} for run in rs]
-                      for k, rs in runs.items()})
+                notes=notes, warm=warm,
+                runs={k: [{x: y for x, y in run.items() if x not in ("measured", "records")}
+                          for run in rs] for k, rs in runs.items()})
 
 
 def cross_check(runs: dict) -> list:
@@ -297,11 +347,27 @@ def print_table(rows: list, trials: int, seeds: int) -> None:
               f"{_ratio(r):>6} {_goal(r['goal_met']):>6} | "
               f"{fmt_trials(gm['model'], trials):>6} {fmt_trials(gm['random'], trials):>6} "
               f"{_ratio(r, 'gain_'):>6} {_goal(r['gain_goal_met']):>6}")
+    warm = [r for r in rows if r.get("warm")]
+    if warm:
+        print()
+        print(f"warm start: the model first learns a sister task's {trials} measured trials "
+              f"(as one tune's shared model has when its scheduler reaches a task)")
+        hdr = f"{'task':<20} {'warm':>6} {'random':>6} {'ratio':>6} {'goal':>6}  sister task"
+        print(hdr)
+        print("-" * len(hdr))
+        for r in warm:
+            w = r["warm"]
+            print(f"{r['role']:<20} {fmt_trials(w['median_trials_to_5pct'], trials):>6} "
+                  f"{fmt_trials(r['median_trials_to_5pct']['random'], trials):>6} "
+                  f"{_ratio(w):>6} {_goal(w['goal_met']):>6}  {r['sister']}")
     print()
     for r in rows:
         if r.get("task") is None:
             continue
         print(f"{r['role']}: {r['task']} ({r['kind']})")
+        if r.get("warm"):
+            print("  per seed to 5 % warm: " + ",".join(
+                fmt_trials(v, trials) for v in r["warm"]["trials_to_5pct"]))
         for name, key in (("to 5 %", "trials_to_5pct"),
                           ("to 95 % gain", "trials_to_95pct_gain")):
             per = "; ".join(f"{m} " + ",".join(fmt_trials(v, trials) for v in vs)
@@ -331,6 +397,8 @@ def main(argv=None) -> int:
                     help="seconds a candidate's measurement may take before it is a failed "
                          "trial (default 10, in one forked worker; 0: in this process, no "
                          "limit)")
+    ap.add_argument("--no-warm", action="store_true",
+                    help="skip the warm start (the model first trained on a sister task)")
     ap.add_argument("--roles", default=None, metavar="R1,R2",
                     help=f"only these tasks, of: {', '.join(ROLES)}")
     args = ap.parse_args(argv)
@@ -360,6 +428,12 @@ def main(argv=None) -> int:
     decode_key = max(k for k in keys if k[0] == "decode")
     ctx = log_context(str(model), mc.spec, mc.profile, quantize)
     tasks = pick_tasks(mc, decode_key, prefill_key)
+    # the sister programs, whose tasks warm the model (``warm``): half the rows, half the KV
+    decodes = sorted(k for k in keys if k[0] == "decode")
+    half = mc.phase_keys((args.prefill // 2,)) if args.prefill >= 2 else []
+    half_prefill = min((k for k in half if k[0] == "prefill"), default=None)
+    sister_keys = (decodes[-2] if len(decodes) > 1 else decode_key, half_prefill) \
+        if half_prefill else None
     print(f"front end and tasks: {time.time() - t0:.1f} s; target {mc.spec.name}, profile "
           f"{mc.profile}, {'W4A16 g' + str(args.quantize) if args.quantize else 'fp16'}; "
           f"decode {decode_key}, prefill {prefill_key}; {trials} trials x {seeds} seed(s) x "
@@ -386,8 +460,23 @@ def main(argv=None) -> int:
                       f"(default {run['default_cycles'] or 0:,}) after {run['trials']} trials, "
                       f"{run['rejected']} rejected, {run['failed']} failed, "
                       f"{run['seconds']:.0f} s", flush=True)
+        sister = None if args.no_warm else pick_sister(mc, role, task, sister_keys)
+        if sister is not None:
+            runs["warm"] = []
+            for seed in range(seeds):
+                sis = tune_once(mc, sister, ctx, seed, True, trials, args.batch,
+                                args.timeout)
+                errors += [f"{role} sister seed {seed}: {e}" for e in sis["errors"]]
+                run = tune_once(mc, task, ctx, seed, True, trials, args.batch, args.timeout,
+                                prior=(sister, sis["records"]))
+                runs["warm"].append(run)
+                errors += [f"{role} warm seed {seed}: {e}" for e in run["errors"]]
+                print(f"  {role} warm seed {seed} (model first trained on {sis['trials']} "
+                      f"trials of {sister.label}): best {run['best_cycles'] or 0:,} cycles "
+                      f"after {run['trials']} trials, {run['seconds']:.0f} s", flush=True)
         errors += [f"{role}: {e}" for e in cross_check(runs)]
         rows.append(compare(role, task, runs, trials))
+        rows[-1]["sister"] = None if sister is None else sister.label
     wall = time.time() - t0
     print()
     print_table(rows, trials, seeds)

@@ -33,7 +33,7 @@ import strategies as st
 from report import write_json
 
 from edgetvm.build.compiler import ModelCompiler
-from edgetvm.tune.cli import log_context
+from edgetvm.tune.log import log_context
 from edgetvm.tune.log import Replay, TuningLogError
 
 REPO = Path(__file__).resolve().parent.parent

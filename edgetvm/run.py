@@ -78,7 +78,8 @@ def cached_build(args):
     """Build ``args.model`` into the cache unless an identical build is there; the loaded
     artifact."""
     from edgetvm import __version__
-    from edgetvm.build.cli import DEFAULT_BUCKETS, build, compiler_fingerprint, file_sha256
+    from edgetvm.build.cli import DEFAULT_BUCKETS, build
+    from edgetvm.build.fingerprint import compiler_fingerprint, file_sha256
     from edgetvm.runtime.artifact import load_artifact
     from edgetvm.target.spec import EMULATOR_MODEL_VERSION, load_spec
 
@@ -117,7 +118,7 @@ def _log_digest(log_dir):
     path = os.path.join(log_dir, LOG_FILE)
     if not os.path.isfile(path):
         raise EdgeTVMError(f"{log_dir}: no such tuning log (no {LOG_FILE})")
-    from edgetvm.build.cli import file_sha256
+    from edgetvm.build.fingerprint import file_sha256
     return file_sha256(path)
 
 

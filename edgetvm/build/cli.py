@@ -4,13 +4,14 @@ replays the best knobs of a tuning log (``python -m edgetvm.tune``)."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import sys
 import time
 
 from edgetvm.errors import EdgeTVMError
+
+from .fingerprint import describe_quantize, file_sha256
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -24,39 +25,6 @@ def _ints(text: str) -> tuple:
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def compiler_fingerprint() -> str:
-    """A hash of this edgetvm's own sources (compiler, schedules, emulator, presets).
-
-    Keys build caches: a build made by other code (an edited checkout, another release
-    with the same version string) is never mistaken for this one's.
-    """
-    import edgetvm
-    import edgetvm.relax_passes
-    import edgetvm.target
-    import edgetvm.tir_schedules
-
-    h = hashlib.sha256()
-    for pkg in (edgetvm, edgetvm.relax_passes, edgetvm.target, edgetvm.tir_schedules):
-        root = os.path.dirname(pkg.__file__)
-        for d, dirs, files in os.walk(root):
-            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
-            for name in sorted(files):
-                if name.endswith((".py", ".json")):
-                    path = os.path.join(d, name)
-                    h.update(os.path.relpath(path, root).encode())
-                    with open(path, "rb") as f:
-                        h.update(f.read())
-    return h.hexdigest()[:16]
 
 
 def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
@@ -80,8 +48,7 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
                        strategy=strategy, max_rows=max(asked), profile=profile)
     replay = None
     if log_dir is not None:
-        from edgetvm.tune.cli import log_context
-        from edgetvm.tune.log import Replay
+        from edgetvm.tune.log import Replay, log_context
         replay = Replay(log_dir, log_context(onnx_path, mc.spec, mc.profile, quantize))
         mc.knobs_for = replay                 # before the first graph builds the kernels
         mc.set_cuts(replay.cuts_for)
@@ -104,7 +71,7 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
         "target": {"name": mc.spec.name, "hash": mc.spec.hash()},
         "profile": profile or mc.spec.default_profile,
         "strategy": strategy,
-        "quantize": _describe_quantize(quantize),
+        "quantize": describe_quantize(quantize),
         "buckets": list(rows), "chunk": chunk,
         "model": {"layers": g.layers, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
                   "page_tokens": mc.page_tokens, "max_tokens": mc.max_tokens,
@@ -117,15 +84,6 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
     full = write_artifact(output, programs, manifest)
     full["build_seconds"] = time.time() - t0
     return full
-
-
-def _describe_quantize(q):
-    if not q:
-        return None
-    if isinstance(q, int):
-        return {"group_size": q}
-    return {"group_size": q.group_size, "zero_points": q.zero_points,
-            "keep_fp16": list(q.keep_fp16), "scale_rule": q.scale_rule}
 
 
 def _progress(total: int, on: bool):

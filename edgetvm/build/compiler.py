@@ -79,6 +79,7 @@ class ModelCompiler:
         self._checked_masks: set = set()
         self._graphs: dict = {}
         self._linked: dict = {}
+        self._partitions: dict = {}     # (id(graph), strategy, profile) -> (graph, groups)
         self.kernels = None
         self.layout = None
 
@@ -143,10 +144,16 @@ class ModelCompiler:
 
     def strategy_partition(self, graph, strategy: str | None = None,
                            profile: str | None = None):
-        """The op groups of ``graph`` under ``strategy`` alone."""
-        return partition(graph, strategy or self.strategy,
-                         fits=lambda grp: self.fits(graph, grp),
-                         search=lambda gr: self.search(profile).partition(gr))
+        """The op groups of ``graph`` under ``strategy`` alone (computed once per graph,
+        strategy and profile: ``edgellm``'s is a search)."""
+        key = (id(graph), strategy or self.strategy, profile)
+        hit = self._partitions.get(key)
+        if hit is None or hit[0] is not graph:   # (the graph is held: its id stays its own)
+            hit = (graph, partition(graph, strategy or self.strategy,
+                                    fits=lambda grp: self.fits(graph, grp),
+                                    search=lambda gr: self.search(profile).partition(gr)))
+            self._partitions[key] = hit
+        return [list(g) for g in hit[1]]
 
     def set_cuts(self, cuts_for) -> None:
         """Use ``cuts_for`` (see the constructor) from now on."""

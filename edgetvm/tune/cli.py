@@ -18,15 +18,6 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 CUT_SHARE = 0.25
 
 
-def log_context(onnx_path: str, spec, profile, quantize):
-    """The :class:`~edgetvm.tune.log.LogContext` of a build of ``onnx_path``."""
-    from edgetvm.build.cli import _describe_quantize, file_sha256
-
-    from .log import LogContext
-    return LogContext.current(file_sha256(onnx_path), spec, profile,
-                              _describe_quantize(quantize))
-
-
 def select_keys(keys: list, phases) -> list:
     """The (phase, rows, pages) of ``keys`` named by ``phases`` (phase names, e.g.
     ``decode``, or program names, e.g. ``prefill_16x1p``)."""
@@ -66,14 +57,14 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     from edgetvm.build.cli import DEFAULT_BUCKETS
     from edgetvm.build.compiler import ModelCompiler
 
-    from .log import Replay, TuningLog, TuningLogError
+    from .log import Replay, TuningLog, TuningLogError, log_context
     from .tasks import extract_partition_tasks, extract_tasks
 
     if not os.path.isfile(onnx_path):
         raise EdgeTVMError(f"{onnx_path}: no such file")
     if not 0 < cut_share < 1:
-        raise EdgeTVMError(f"the share of the budget for cut points must be in (0, 1), "
-                           f"not {cut_share}")
+        raise EdgeTVMError(f"--cut-share: the share of the budget for cut points must be "
+                           f"in (0, 1), not {cut_share}")
     asked = (chunk,) if chunk else tuple(sorted(set(buckets or DEFAULT_BUCKETS)))
     mc = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
                        strategy=strategy, max_rows=max(asked), profile=profile)
@@ -238,8 +229,6 @@ def main(argv=None) -> int:
         ap.error("--trials must be >= 1")
     if args.time_budget is not None and args.time_budget <= 0:
         ap.error("--time-budget must be > 0")
-    if not 0 < args.cut_share < 1:
-        ap.error("--cut-share must be between 0 and 1")
     if args.workers < 1 or args.batch < 1:
         ap.error("--workers and --batch must be >= 1")
     if args.rpc_key and not args.rpc_tracker:

@@ -98,6 +98,14 @@ class LogContext:
         return dataclasses.asdict(self)
 
 
+def log_context(onnx_path: str, spec, profile, quantize) -> LogContext:
+    """The :class:`LogContext` of a build of ``onnx_path`` for ``spec`` under ``profile``
+    (None: the spec's default) with ``quantize`` (None: fp16)."""
+    from edgetvm.build.fingerprint import describe_quantize, file_sha256
+    return LogContext.current(file_sha256(onnx_path), spec, profile,
+                              describe_quantize(quantize))
+
+
 @dataclass
 class Record:
     """One tried candidate."""

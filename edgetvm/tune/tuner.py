@@ -170,10 +170,28 @@ class Tuner:
         by_w = {s.task.workload: s for s in self.states}
         for r in recs:
             s = by_w.get(r.workload)
-            if s is not None and s.default_cycles and r.cycles and \
-                    (r.status in (OK, OVER_BUDGET) or (r.error or "").startswith(STOPPED)):
+            if s is not None and s.default_cycles and _teaches(r):
                 self.model.add(features(s.task, r.knobs, self.mc.spec), r.cycles,
                                s.default_cycles)
+
+    def learn(self, task, records) -> int:
+        """Train the cost model on the measurements of another task (``records`` of
+        ``task``, its defaults' among them), before this run measures anything: what the
+        model one tune shares across its tasks knows when the scheduler reaches a task
+        (the same MLP at another bucket, the cuts of another run). Returns how many
+        records it learned from (0: no baseline among them)."""
+        if self.model is None:
+            return 0
+        d = canonical_knobs(task.default_knobs)
+        base = next((r.cycles for r in records if r.status == OK and r.knobs_key == d
+                     and r.cycles), None)
+        if not base:
+            return 0
+        used = [r for r in records if _teaches(r)]
+        for r in used:
+            self.model.add(features(task, r.knobs, self.mc.spec), r.cycles, base)
+        self.model.fit()
+        return len(used)
 
     # -- measuring -------------------------------------------------------------------------
     def _record(self, task, knobs, status, *, m=None, error=None, wall_s=0.0,
@@ -447,6 +465,13 @@ class Tuner:
         return dict(stage=self.desc, tasks=rows, measured=self.measured_now, seconds=seconds,
                     step_cycles_default=self.default_step_cycles(),
                     step_cycles_tuned=self.step_cycles(), log=self.log.path)
+
+
+def _teaches(r) -> bool:
+    """Does record ``r`` carry cycles the cost model may learn from: measured (within the
+    budget or not), or stopped as too slow (a lower bound)?"""
+    return bool(r.cycles) and (r.status in (OK, OVER_BUDGET) or
+                               (r.error or "").startswith(STOPPED))
 
 
 def _bar(total, on: bool, desc: str = "tuning"):

@@ -126,7 +126,7 @@ def test_build_and_run_commands(artifact, tmp_path, capsys):
 
 def test_run_keys_its_build_cache_by_the_compiler_and_rebuilds_what_does_not_load(
         tmp_path, monkeypatch, capsys):
-    import edgetvm.build.cli as cli
+    import edgetvm.build.fingerprint as fingerprint
 
     monkeypatch.setenv("EDGETVM_CACHE", str(tmp_path))
     args = [LLAMA, "--prompt-ids", "5,17", "--max-new-tokens", "1", "--max-tokens", "32", "-q"]
@@ -140,6 +140,6 @@ def test_run_keys_its_build_cache_by_the_compiler_and_rebuilds_what_does_not_loa
     assert "does not load" in capsys.readouterr().out
     load_artifact(str(cached))
     # other compiler sources: another cache entry, never this one
-    monkeypatch.setattr(cli, "compiler_fingerprint", lambda: "0" * 16)
+    monkeypatch.setattr(fingerprint, "compiler_fingerprint", lambda: "0" * 16)
     assert run_main(args) == 0
     assert "building" in capsys.readouterr().out and len(list(tmp_path.glob("*.npu"))) == 2

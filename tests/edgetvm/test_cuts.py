@@ -12,7 +12,8 @@ from edgetvm.build.cuts import apply_cuts, cuts_of, groups_of, joinable, run_key
 from edgetvm.build.graph import BuildError
 from edgetvm.relax_passes.partition import can_join, mega
 from edgetvm.target.emulator import Emulator
-from edgetvm.tune.cli import log_context, program_counters, tune
+from edgetvm.tune.cli import program_counters, tune
+from edgetvm.tune.log import log_context
 from edgetvm.tune.log import OK, Replay, TuningLog
 from edgetvm.tune.measure import measure_candidate
 from edgetvm.tune.tasks import extract_partition_tasks

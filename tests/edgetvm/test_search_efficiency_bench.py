@@ -35,7 +35,9 @@ def test_search_efficiency_benchmark_on_the_tiny_llama(tmp_path, capsys, monkeyp
         r = rows[role]
         assert 0 < r["best_cycles"] <= r["default_cycles"]
         bests = []
-        for method in ("model", "random"):
+        assert set(r["runs"]) == {"model", "random", "warm"} and r["sister"]
+        assert r["warm"]["learned"][0] >= 1        # the sister's measured trials
+        for method in ("model", "random", "warm"):
             (run,) = r["runs"][method]
             curve = run["curve"]
             # one point per measured trial, up to the budget (a small space runs out)
@@ -45,14 +47,15 @@ def test_search_efficiency_benchmark_on_the_tiny_llama(tmp_path, capsys, monkeyp
             assert all(b <= a for a, b in zip(curve, curve[1:]))
             assert curve[-1] == run["best_cycles"] == run["remeasured_cycles"]
             bests.append(run["best_cycles"])
-            (n,) = r["trials_to_5pct"][method]
+            (n,) = r["warm"]["trials_to_5pct"] if method == "warm" else \
+                r["trials_to_5pct"][method]
             assert n == bench.trials_to(curve, 1.05 * r["best_cycles"])
             # None: this method never came within 5 % of the other's best in 10 trials
             assert n is None or 1 <= n <= len(curve)
             assert n is not None or run["best_cycles"] > 1.05 * r["best_cycles"]
         assert r["best_cycles"] == min(bests)
-        assert min(r["trials_to_5pct"]["model"][0] or 99,
-                   r["trials_to_5pct"]["random"][0] or 99) <= trials   # the best one's
+        assert min(r["trials_to_5pct"]["model"][0] or 99, r["warm"]["trials_to_5pct"][0]
+                   or 99, r["trials_to_5pct"]["random"][0] or 99) <= trials  # the best's
         if r["default_cycles"] <= 1.05 * r["best_cycles"]:      # nothing to search
             assert r["goal_met"] is None and r["trials_to_5pct"] == {"model": [1],
                                                                      "random": [1]}

@@ -1,7 +1,7 @@
 """What the tuner's records were measured as, rebuilt independently of the tuner's run."""
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.target.spec import load_spec
-from edgetvm.tune.cli import log_context
+from edgetvm.tune.log import log_context
 from edgetvm.tune.log import Replay
 from edgetvm.tune.tasks import extract_partition_tasks, extract_tasks
 
