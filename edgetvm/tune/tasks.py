@@ -60,6 +60,7 @@ class Task:
     count: int = 0               # how often the kernel runs over the selected programs
     phases: set = field(default_factory=set)
     per_phase: dict = field(default_factory=dict)  # phase (prefill, decode) -> occurrences
+    per_program: dict = field(default_factory=dict)  # program name -> occurrences
     space: dict = field(default_factory=dict)     # flat knob name -> candidate values
     default_knobs: dict = field(default_factory=dict)
     shape: dict = field(default_factory=dict)     # what the cost features need
@@ -80,9 +81,11 @@ class Task:
 
     def occurs_in(self, key) -> None:
         """Count one occurrence in the phase program ``key`` ((phase, rows, pages))."""
+        name = f"{key[0]}_{key[1]}x{key[2]}p"
         self.count += 1
-        self.phases.add(f"{key[0]}_{key[1]}x{key[2]}p")
+        self.phases.add(name)
         self.per_phase[key[0]] = self.per_phase.get(key[0], 0) + 1
+        self.per_program[name] = self.per_program.get(name, 0) + 1
 
     @property
     def label(self) -> str:

@@ -10,12 +10,16 @@ Loop (MetaSchedule's shape: ``TaskScheduler`` -> ``SearchStrategy`` -> ``CostMod
 ``Runner`` -> ``Database``, here over the NPU's knob records):
 
 1. the scheduler picks the task whose gradient is largest,
-   ``count * (alpha * backward + (1 - alpha) * forward)``, with ``backward`` the cycles
+   ``weight * (alpha * backward + (1 - alpha) * forward)``, with ``backward`` the cycles
    its best fell per round over the last rounds and ``forward`` the optimistic
-   ``best / (trials + 1)`` (MetaSchedule's ``GradientBased`` task scheduler). Under a
-   time budget the gradient is per second of the task's mean trial time: a prefill
-   attention whose candidates take 20 s each yields its turn to a kernel that gains as
-   much in 5 s;
+   ``best / (trials + 1)`` (MetaSchedule's ``GradientBased`` task scheduler). Its
+   ``weight`` (:meth:`Tuner.weight`) is, summed over the programs it runs in, its
+   occurrences there over that program's default cycles: the objective is every
+   selected program's latency relative to its own default, each program alike (a
+   prefill-16 kernel counts as much for its program as a prefill-512 one for its; by
+   summed cycles, the 512-row programs drew most of a short budget). Under a time budget the
+   gradient is per second of the task's mean trial time: a prefill attention whose
+   candidates take 20 s each yields its turn to a kernel that gains as much in 5 s;
 2. a task with no baseline yet has its default knobs measured first (with the next
    baselines, as many as the measurer runs at once); until then its cycles are
    estimated from its bytes (:attr:`~edgetvm.tune.tasks.Task.size_hint`) at the
@@ -296,23 +300,51 @@ class Tuner:
         par = max(1, getattr(self.measurer, "workers", 1)) if many else 1
         if trials is not None:
             par = max(1, min(par, trials - self.measured_now))
+        totals, rate = self.program_defaults(), self._cycles_per_byte()
         rest = sorted((s for s in self.states if s is not first and not s.exhausted
                        and s.default_cycles is None),
-                      key=lambda s: (-s.task.count * self.estimated_cycles(s), s.task.key))
+                      key=lambda s: (-self.weight(s, totals) *
+                                     self.estimated_cycles(s, rate), s.task.key))
         return [first] + rest[:par - 1]
 
-    def estimated_cycles(self, s) -> float:
-        """The task's cycles: its best or default if measured, else its
-        :attr:`~edgetvm.tune.tasks.Task.size_hint` at the median cycles per byte of the
-        measured tasks of its kind (of any kind when none is measured yet)."""
-        if s.best_cycles or s.default_cycles:
-            return s.best_cycles or s.default_cycles
-        rates = {}
+    def weight(self, s, totals: dict | None = None) -> float:
+        """Sum over the programs ``s``'s task runs in of its occurrences there over the
+        program's default cycles (``totals``, :meth:`program_defaults`): a cycle saved
+        counts as the share of its program's latency it is."""
+        totals = self.program_defaults() if totals is None else totals
+        return sum(n / totals[p] for p, n in s.task.per_program.items() if totals.get(p))
+
+    def program_defaults(self) -> dict:
+        """Program name -> its default cycles: its tasks' defaults (occurrences x cycles),
+        estimated where not yet measured (:meth:`estimated_cycles`)."""
+        rate = self._cycles_per_byte()
+        totals: dict = {}
+        for o in self.states:
+            c = o.default_cycles or self.estimated_cycles(o, rate)
+            for p, n in o.task.per_program.items():
+                totals[p] = totals.get(p, 0.0) + n * c
+        return totals
+
+    def _cycles_per_byte(self) -> dict:
+        """Kind -> the median default cycles per byte of size hint of the measured tasks
+        (key None: of every kind)."""
+        rates: dict = {}
         for o in self.states:
             if o.default_cycles and o.task.size_hint:
                 rates.setdefault(o.task.kind, []).append(o.default_cycles / o.task.size_hint)
-        same = rates.get(s.task.kind) or [r for v in rates.values() for r in v] or [1.0]
-        return float(np.median(same)) * max(1, s.task.size_hint)
+        out = {k: float(np.median(v)) for k, v in rates.items()}
+        out[None] = float(np.median([r for v in rates.values() for r in v])) if rates else 1.0
+        return out
+
+    def estimated_cycles(self, s, rate: dict | None = None) -> float:
+        """The task's cycles: its best or default if measured, else its
+        :attr:`~edgetvm.tune.tasks.Task.size_hint` at the median cycles per byte of the
+        measured tasks of its kind (of any kind when none is measured yet; ``rate``:
+        :meth:`_cycles_per_byte`, computed once for many calls)."""
+        if s.best_cycles or s.default_cycles:
+            return s.best_cycles or s.default_cycles
+        rate = self._cycles_per_byte() if rate is None else rate
+        return rate.get(s.task.kind, rate[None]) * max(1, s.task.size_hint)
 
     def step_cycles(self) -> int:
         """Sum over the tasks of (occurrences x the cycles of the knobs a build replays:
@@ -348,15 +380,16 @@ class Tuner:
             return None
         walls = [s.wall_s / s.walls for s in self.states if s.walls]
         typical = float(np.median(walls)) if walls else 1.0
+        totals, rate = self.program_defaults(), self._cycles_per_byte()
 
         def grad(s):
             h = s.history
-            forward = self.estimated_cycles(s) / (s.trials + 1)
+            forward = self.estimated_cycles(s, rate) / (s.trials + 1)
             g = forward
             if len(h) >= 2:
                 w = min(self.window, len(h) - 1)
                 g = self.alpha * (h[-1 - w] - h[-1]) / w + (1 - self.alpha) * forward
-            g *= s.task.count
+            g *= self.weight(s, totals)
             if timed:
                 g /= max(1e-3, s.wall_s / s.walls if s.walls else typical)
             return g

@@ -527,12 +527,37 @@ def test_baselines_are_measured_only_for_tasks_the_budget_tunes(tmp_path, mc):
     assert rep["measured"] == 40 and tuned
     assert any(r["default_cycles"] is None for r in rows)      # some never reached
     assert max(r["trials"] for r in rows) > tuner.batch         # a second round
-    # the tasks tuned were the heavy ones: each outweighs (runs x default cycles) every
-    # reached task left at its baseline
-    weight = {r["workload"]: r["count"] * r["default_cycles"] for r in rows
-              if r["default_cycles"]}
+    # the tasks tuned were the heavy ones: each outweighs (its share of its programs'
+    # default latency) every reached task left at its baseline
+    totals = tuner.program_defaults()
+    weight = {s.task.workload[:12]: tuner.weight(s, totals) * s.default_cycles
+              for s in tuner.states if s.default_cycles}
     left = [weight[r["workload"]] for r in rows if r["trials"] == 1 and r["default_cycles"]]
     assert not left or min(weight[r["workload"]] for r in tuned) >= 0.5 * max(left)
+
+
+def test_every_program_counts_alike_in_a_tasks_weight(tmp_path, mc):
+    """Tuner.weight: a task's occurrences over its programs' default cycles (a program's
+    default is its tasks' occurrences x cycles). A kernel of a short program weighs more
+    per occurrence than one of a long program."""
+    tasks = extract_tasks(mc, mc.phase_keys((4, 16)))
+    with TuningLog(str(tmp_path / "log")) as tlog:
+        tuner = Tuner(mc, tasks, tlog, log_context(LLAMA, mc.spec, None, None),
+                      progress=False)
+    for i, s in enumerate(tuner.states):
+        s.default_cycles = 1000 * (i + 1)           # as if measured
+    totals = tuner.program_defaults()
+    for prog, total in totals.items():
+        part = sum(s.task.per_program[prog] * s.default_cycles for s in tuner.states
+                   if prog in s.task.per_program)
+        assert part == total
+    one = [s for s in tuner.states if len(s.task.per_program) == 1]
+    short = min(totals, key=totals.get)
+    long_ = max(totals, key=totals.get)
+    a = next(s for s in one if short in s.task.per_program)
+    b = next(s for s in one if long_ in s.task.per_program)
+    assert tuner.weight(a) == pytest.approx(a.task.per_program[short] / totals[short])
+    assert tuner.weight(a) / a.task.count > tuner.weight(b) / b.task.count
 
 
 def test_the_cost_model_learns_another_tasks_records_before_measuring(tmp_path, mc):
