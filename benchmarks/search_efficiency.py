@@ -115,15 +115,16 @@ def pick_tasks(mc, decode_key, prefill_key) -> dict:
     return out
 
 
-def pick_sister(mc, role: str, task, keys: list):
+def pick_sister(mc, role: str, task, keys: list, picked: dict):
     """The task whose measurements warm the cost model for ``task`` (the ``warm``
     method): the same role in the programs ``keys`` (prefill at half the rows, decode at
-    half the KV capacity), else, when that is ``task`` itself (a decode MLP serves every
-    capacity), the most similar other task of its kind there: a cluster of the same row
-    count with the most matmuls, another run's cuts. None when there is none."""
+    half the KV capacity; ``picked``: :func:`pick_tasks` of them), else, when that is
+    ``task`` itself (a decode MLP serves every capacity), the most similar other task of
+    its kind there: a cluster of the same row count with the most matmuls, another run's
+    cuts. None when there is none."""
     if not keys:
         return None
-    same = pick_tasks(mc, *keys)[role]
+    same = picked[role]
     if same is not None and same.workload != task.workload:
         return same
     if task.kind == "partition":
@@ -434,6 +435,7 @@ def main(argv=None) -> int:
     half_prefill = min((k for k in half if k[0] == "prefill"), default=None)
     sister_keys = (decodes[-2] if len(decodes) > 1 else decode_key, half_prefill) \
         if half_prefill else None
+    sisters = pick_tasks(mc, *sister_keys) if sister_keys and not args.no_warm else {}
     print(f"front end and tasks: {time.time() - t0:.1f} s; target {mc.spec.name}, profile "
           f"{mc.profile}, {'W4A16 g' + str(args.quantize) if args.quantize else 'fp16'}; "
           f"decode {decode_key}, prefill {prefill_key}; {trials} trials x {seeds} seed(s) x "
@@ -460,7 +462,8 @@ def main(argv=None) -> int:
                       f"(default {run['default_cycles'] or 0:,}) after {run['trials']} trials, "
                       f"{run['rejected']} rejected, {run['failed']} failed, "
                       f"{run['seconds']:.0f} s", flush=True)
-        sister = None if args.no_warm else pick_sister(mc, role, task, sister_keys)
+        sister = None if args.no_warm else pick_sister(mc, role, task, sister_keys,
+                                                        sisters)
         if sister is not None:
             runs["warm"] = []
             for seed in range(seeds):

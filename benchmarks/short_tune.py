@@ -36,6 +36,7 @@ from tuning import replayed
 
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.tune.cli import program_counters, tune
+from edgetvm.target.spec import load_spec
 from edgetvm.tune.log import Replay, TuningLogError, log_context
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,8 +64,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="short_tune_") as d:
         rep = tune(model, time_budget=budget, workers=args.workers, seed=args.seed,
                    log_dir=d, progress=True)
-        mc = ModelCompiler(model, max_rows=512)
-        ctx = log_context(model, mc.spec, None, None)
+        ctx = log_context(model, load_spec("edge-npu-16mb"), None, None)
         try:
             long_mc = ModelCompiler(model, max_rows=512,
                                     **Replay(args.long_log, ctx).compiler_options)
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                              f"{res['tolerance']:.4f}")
 
     print()
-    print(f"{args.time_budget or budget:.0f} s of tuning (seed {args.seed}, {args.workers} "
+    print(f"{budget:.0f} s of tuning (seed {args.seed}, {args.workers} "
           f"workers): {rep['measured']} measurements in {rep['seconds']:.0f} s; against "
           f"{args.long_log}")
     print(f"{'program':<18} {'default':>11} {'short':>11} {'long':>11} {'short/long':>10}")

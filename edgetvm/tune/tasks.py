@@ -57,9 +57,6 @@ class Task:
     name: str
     graph: object                # a representative instance: the first occurrence
     group: tuple
-    count: int = 0               # how often the kernel runs over the selected programs
-    phases: set = field(default_factory=set)
-    per_phase: dict = field(default_factory=dict)  # phase (prefill, decode) -> occurrences
     per_program: dict = field(default_factory=dict)  # program name -> occurrences
     space: dict = field(default_factory=dict)     # flat knob name -> candidate values
     default_knobs: dict = field(default_factory=dict)
@@ -82,10 +79,26 @@ class Task:
     def occurs_in(self, key) -> None:
         """Count one occurrence in the phase program ``key`` ((phase, rows, pages))."""
         name = f"{key[0]}_{key[1]}x{key[2]}p"
-        self.count += 1
-        self.phases.add(name)
-        self.per_phase[key[0]] = self.per_phase.get(key[0], 0) + 1
         self.per_program[name] = self.per_program.get(name, 0) + 1
+
+    @property
+    def count(self) -> int:
+        """How often the kernel runs over the selected programs."""
+        return sum(self.per_program.values())
+
+    @property
+    def phases(self) -> set:
+        """The names of the programs it runs in."""
+        return set(self.per_program)
+
+    @property
+    def per_phase(self) -> dict:
+        """Phase (prefill, decode) -> occurrences."""
+        out: dict = {}
+        for name, n in self.per_program.items():
+            ph = name.split("_", 1)[0]
+            out[ph] = out.get(ph, 0) + n
+        return out
 
     @property
     def label(self) -> str:

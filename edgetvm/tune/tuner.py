@@ -300,7 +300,8 @@ class Tuner:
         par = max(1, getattr(self.measurer, "workers", 1)) if many else 1
         if trials is not None:
             par = max(1, min(par, trials - self.measured_now))
-        totals, rate = self.program_defaults(), self._cycles_per_byte()
+        rate = self._cycles_per_byte()
+        totals = self.program_defaults(rate)
         rest = sorted((s for s in self.states if s is not first and not s.exhausted
                        and s.default_cycles is None),
                       key=lambda s: (-self.weight(s, totals) *
@@ -314,10 +315,10 @@ class Tuner:
         totals = self.program_defaults() if totals is None else totals
         return sum(n / totals[p] for p, n in s.task.per_program.items() if totals.get(p))
 
-    def program_defaults(self) -> dict:
+    def program_defaults(self, rate: dict | None = None) -> dict:
         """Program name -> its default cycles: its tasks' defaults (occurrences x cycles),
-        estimated where not yet measured (:meth:`estimated_cycles`)."""
-        rate = self._cycles_per_byte()
+        estimated where not yet measured (:meth:`estimated_cycles`, at ``rate``)."""
+        rate = self._cycles_per_byte() if rate is None else rate
         totals: dict = {}
         for o in self.states:
             c = o.default_cycles or self.estimated_cycles(o, rate)
@@ -380,7 +381,8 @@ class Tuner:
             return None
         walls = [s.wall_s / s.walls for s in self.states if s.walls]
         typical = float(np.median(walls)) if walls else 1.0
-        totals, rate = self.program_defaults(), self._cycles_per_byte()
+        rate = self._cycles_per_byte()
+        totals = self.program_defaults(rate)
 
         def grad(s):
             h = s.history
