@@ -70,8 +70,9 @@ from pathlib import Path
 
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.tune.cli import make_measurer
-from edgetvm.tune.log import log_context
-from edgetvm.tune.log import FAILED, OK, REJECTED, Replay, TuningLog, canonical_knobs
+from edgetvm.tune.log import (FAILED, OK, REJECTED, Replay, TuningLog, canonical_knobs,
+                              log_context)
+from edgetvm.tune.measure import Measurer
 from edgetvm.tune.tasks import extract_partition_tasks, extract_tasks
 from edgetvm.tune.tuner import Tuner
 from report import write_json
@@ -139,7 +140,7 @@ def pick_sister(mc, role: str, task, keys: list, picked: dict):
                default=None)
 
 
-class OneByOne:
+class OneByOne(Measurer):
     """A measurer that hands its inner one a batch's candidates one at a time, so that a
     timeout is a candidate's own: a pool given the whole batch starts every candidate's
     clock when the one before it is collected, and fails the candidates queued behind a

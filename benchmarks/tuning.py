@@ -17,7 +17,10 @@ Cases: decode at KV 1024 (1,023 cached tokens and the new one: the ``decode_1x64
 program) and prefill 512 from position 0 (``--quick``: decode and prefill 128).
 
     python benchmarks/tuning.py --log DIR [--budget-log DIR] [--strategy mega]
-        [--model PATH] [--quick] [--json PATH]
+        [--quantize G] [--model PATH] [--quick] [--json PATH]
+
+The decode rows also give the latency against the bandwidth roofline (the bytes a step
+must move over the DRAM bandwidth; ``strategies.Bench.decode_roofline``).
 
 Without ``--model``, SmolLM2-135M (``$EDGETVM_SMOLLM2`` or ``../smollm2``), else the
 bundled example. A log of another model, spec, profile or version is refused.
@@ -33,8 +36,7 @@ import strategies as st
 from report import write_json
 
 from edgetvm.build.compiler import ModelCompiler
-from edgetvm.tune.log import log_context
-from edgetvm.tune.log import Replay, TuningLogError
+from edgetvm.tune.log import Replay, TuningLogError, log_context
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED = REPO / "examples" / "llama_tiny_with_past.onnx"
@@ -44,13 +46,14 @@ CASES = {"d1024": ("decode @1024", "decode", 1, MAX_TOKENS - 1),
          "p128": ("prefill 128", "prefill", 128, 0)}
 
 
-def replayed(bench, model, log_dir, profile, strategy):
-    """A copy of ``bench`` whose compiler replays ``log_dir`` (tuned under ``profile``)."""
+def replayed(bench, model, log_dir, profile, strategy, quantize=None):
+    """A copy of ``bench`` whose compiler replays ``log_dir`` (tuned under ``profile``,
+    with ``quantize``: a QuantizeW4A16 as ``tune --quantize G`` makes it, or None)."""
     mc = bench.mc
-    ctx = log_context(str(model), mc.spec, profile, None)
+    ctx = log_context(str(model), mc.spec, profile, quantize)
     b = copy.copy(bench)
     b.mc = ModelCompiler(str(model), mc.spec, max_tokens=MAX_TOKENS, max_rows=512,
-                         strategy=strategy, profile=profile,
+                         strategy=strategy, profile=profile, quantize=quantize,
                          **Replay(log_dir, ctx).compiler_options)
     b.mc.graph("decode", 1, 1)            # the replayed kernels are looked up from here on
     return b
@@ -64,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-profile", default="low-battery")
     ap.add_argument("--strategy", default="mega", help="the logs' partition strategy")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--quantize", type=int, default=None, metavar="G",
+                    help="W4A16 with group G, as the logs were tuned with `tune --quantize "
+                         "G` (default: fp16)")
     ap.add_argument("--quick", action="store_true", help="decode and prefill 128")
     ap.add_argument("--json", help="write the rows as JSON to this path")
     args = ap.parse_args(argv)
@@ -72,13 +78,17 @@ def main(argv=None) -> int:
     st.MAX_TOKENS = MAX_TOKENS             # the KV capacity the logs were tuned for
     cases = [CASES["d1024"], CASES["p128" if args.quick else "p512"]]
     profiles = ["performance"] + ([args.budget_profile] if args.budget_log else [])
-    bench = st.Bench(str(model), None, profiles)
+    quantize = None
+    if args.quantize:
+        from edgetvm.relax_passes import QuantizeW4A16
+        quantize = QuantizeW4A16(group_size=args.quantize)
+    bench = st.Bench(str(model), quantize, profiles)
     bench.mc = ModelCompiler(str(model), bench.mc.spec, max_tokens=MAX_TOKENS, max_rows=512,
-                             strategy=args.strategy)
+                             strategy=args.strategy, quantize=quantize)
     try:
-        tuned = replayed(bench, model, args.log, "performance", args.strategy)
+        tuned = replayed(bench, model, args.log, "performance", args.strategy, quantize)
         budget = replayed(bench, model, args.budget_log, args.budget_profile,
-                          args.strategy) if args.budget_log else None
+                          args.strategy, quantize) if args.budget_log else None
     except TuningLogError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -109,11 +119,12 @@ def main(argv=None) -> int:
 
     print()
     print(f"{'case':<14} {'profile':<12} {'variant':<40} {'cycles':>12} {'x local':>8} "
-          f"{'peak mW':>8} {'over':>5} {'numerics':>8}")
+          f"{'x roofl':>7} {'peak mW':>8} {'over':>5} {'numerics':>8}")
     for r in rows:
         x = f"{r['vs_untuned_local']:.3f}" if "vs_untuned_local" in r else ""
+        rf = f"{r['bandwidth_roofline_ratio']:.3f}" if "bandwidth_roofline_ratio" in r else ""
         print(f"{r['case']:<14} {r['profile']:<12} {r['variant']:<40} {r['cycles']:>12,} "
-              f"{x:>8} {r['peak_power_mw']:>8.0f} {str(r['over_budget']):>5} "
+              f"{x:>8} {rf:>7} {r['peak_power_mw']:>8.0f} {str(r['over_budget']):>5} "
               f"{'ok' if r['numerics_ok'] else 'WRONG':>8}")
     for r in rows:
         if "vs_throttled" in r:
@@ -122,7 +133,8 @@ def main(argv=None) -> int:
                   f"throttled")
     if args.json:
         write_json(args.json, {"benchmark": "tuning", "model": str(model),
-                               "strategy": args.strategy, "log": args.log,
+                               "strategy": args.strategy, "quantize": args.quantize,
+                               "log": args.log,
                                "budget_log": args.budget_log, "rows": rows})
     wrong = [r for r in rows if not r["numerics_ok"]]
     for r in wrong:

@@ -105,6 +105,12 @@ def stage_cluster(graph: PhaseGraph, group, consumers=None) -> tuple:
     return cluster, bind
 
 
+def cluster_key(cluster: FusionCluster) -> str:
+    """The structural key of a fusion cluster's kernel (:attr:`Kernel.key`): its tensors,
+    stages, outputs and constants, not where in a graph it sits."""
+    return repr(("cluster", cluster.tensors, cluster.stages, cluster.outputs, cluster.consts))
+
+
 class KernelBuilder:
     """Lowers groups of a phase's ops, cached by structure.
 
@@ -171,8 +177,7 @@ class KernelBuilder:
     # -- row-local clusters ---------------------------------------------------------------
     def _stage_kernel(self, graph, group, consumers, knobs) -> Kernel:
         cluster, bind = stage_cluster(graph, group, consumers)
-        key = repr(("cluster", cluster.tensors, cluster.stages, cluster.outputs,
-                    cluster.consts))
+        key = cluster_key(cluster)
         knobs, replayed = self._knobs(key, knobs)
         program, used = self._cached(key, knobs, replayed,
                                      lambda kn: self._lower_cluster(cluster, kn))

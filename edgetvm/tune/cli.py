@@ -14,8 +14,15 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "examples", "llama_tiny_with_past.onnx")
 
 
-#: the share of a tune's budget the cut points may take (the rest tunes the kernels)
+#: the share of a round's budget the cut points may take (the rest tunes the kernels)
 CUT_SHARE = 0.25
+#: at most this many rounds of (cut points, then the kernels of the cuts chosen): a round's
+#: tiles that stall (:data:`~edgetvm.tune.tuner.STALL_GAIN`) give the rest of the budget
+#: to another round, whose cuts are chosen on the tuned kernels
+ROUNDS = 3
+#: a stage stalls when its last this many measurements (or a quarter of its measurements,
+#: if more) gained too little
+STALL_TRIALS = 128
 
 
 def select_keys(keys: list, phases) -> list:
@@ -38,13 +45,20 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
          buckets=None, chunk=None, quantize=None, max_tokens=None, phases=None,
          trials=None, time_budget=None, log_dir="tuning_logs", workers=1, rpc_tracker=None,
          rpc_key=None, timeout=300.0, seed=0, batch=8, use_model=True, cuts=True,
-         cut_share=CUT_SHARE, validate=True, progress=True) -> dict:
+         cut_share=CUT_SHARE, rounds=ROUNDS, stall=STALL_TRIALS, validate=True,
+         progress=True) -> dict:
     """Tune ``onnx_path``; returns the report (see :meth:`Tuner.report`).
 
-    Two stages on one log and one budget: with ``cuts``, first the kernel boundaries of
-    every run of fusable ops (partition tasks, :mod:`edgetvm.build.cuts`; the strategy's
-    partition is their starting point), for at most ``cut_share`` of the budget; then the
-    knobs of the kernels of the best partition found, for the rest.
+    Cut points and tiles are searched in turns, in up to ``rounds`` rounds on one log and
+    one budget. A round (with ``cuts``) first searches the kernel boundaries of every run
+    of fusable ops (partition tasks, :mod:`edgetvm.build.cuts`) for at most ``cut_share``
+    of the budget left: from the cuts chosen so far (first the strategy's partition), each
+    candidate's clusters lowered with their tuned knobs where the log has some. Then it
+    tunes the knobs of the kernels of the best partition found, for the rest of the
+    budget; but when that stalls (:meth:`~edgetvm.tune.tuner.Tuner.run`, ``stall``) and
+    rounds remain, the next round chooses the cuts again on the tuned kernels and tunes
+    the clusters those cuts made (``stall``: the least number of measurements that must
+    gain too little). A short budget is one round.
     Candidates are measured in this process, on ``workers`` local emulator processes, or
     on the servers of the TVM RPC tracker ``rpc_tracker`` ("HOST:PORT") under
     ``rpc_key`` (``workers``: how many of them at once; default every free one).
@@ -57,11 +71,13 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     from edgetvm.build.cli import DEFAULT_BUCKETS
     from edgetvm.build.compiler import ModelCompiler
 
-    from .log import Replay, TuningLog, TuningLogError, log_context
+    from .log import Replay, TuningLog, log_context
     from .tasks import extract_partition_tasks, extract_tasks
 
     if not os.path.isfile(onnx_path):
         raise EdgeTVMError(f"{onnx_path}: no such file")
+    if int(rounds) != rounds or rounds < 1:
+        raise EdgeTVMError(f"--rounds must be a whole number >= 1, not {rounds}")
     if not 0 < cut_share < 1:
         raise EdgeTVMError(f"--cut-share: the share of the budget for cut points must be "
                            f"in (0, 1), not {cut_share}")
@@ -74,31 +90,55 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     keys = select_keys(mc.phase_keys(rows, chunked=bool(chunk)), phases)
     ctx = log_context(onnx_path, mc.spec, mc.profile, quantize)
     opts = dict(seed=seed, batch=batch, use_model=use_model, progress=progress)
-    reps = []
+    rounds = rounds if cuts else 1
+    reps: list = []
     t_start = time.time()           # the budget: from here (after the front end)
-    with TuningLog(log_dir) as tlog:
-        if cuts:
-            ptasks = extract_partition_tasks(mc, keys)
-            if ptasks:
-                share = dict(trials=None if trials is None else max(1, math.ceil(
-                                 trials * cut_share)),
-                             time_budget=None if time_budget is None else
-                             time_budget * cut_share)
-                reps.append(_stage(mc, ptasks, tlog, ctx, "cuts", share, opts, workers,
-                                   rpc_tracker, rpc_key, timeout))
-            try:
-                mc.set_cuts(Replay(log_dir, ctx).cuts_for)
-            except TuningLogError:
-                pass                     # nothing measured: the strategy's partition
-        tasks = extract_tasks(mc, keys)
+
+    def left() -> dict:
         done = sum(r["measured"] for r in reps)
-        left = dict(trials=None if trials is None else trials - done,
+        return dict(trials=None if trials is None else trials - done,
                     time_budget=None if time_budget is None else
-                    time_budget - (time.time() - t_start))
-        if (left["trials"] is None or left["trials"] > 0) and \
-                (left["time_budget"] is None or left["time_budget"] > 0):
-            reps.append(_stage(mc, tasks, tlog, ctx, "tiles", left, opts, workers,
-                               rpc_tracker, rpc_key, timeout))
+                    t_start + time_budget - time.time())
+
+    def exhausted(budget) -> bool:
+        return (budget["trials"] is not None and budget["trials"] <= 0) or \
+            (budget["time_budget"] is not None and budget["time_budget"] <= 0)
+
+    with TuningLog(log_dir) as tlog:
+        def stage(tasks, name, budget, stall):
+            return _stage(mc, tasks, tlog, ctx, name, dict(budget, stall=stall), opts,
+                          workers, rpc_tracker, rpc_key, timeout)
+
+        for n in range(1, rounds + 1):
+            # a round: the cuts, from those chosen so far (first the strategy's), for at
+            # most cut_share of what is left, each candidate's clusters lowered with their
+            # tuned knobs where the log has some; then the tiles of the cuts chosen, for
+            # the rest, or until they stall and another round may cut otherwise
+            last = n == rounds
+            suffix = f" {n}" if rounds > 1 else ""
+            if exhausted(left()):
+                break
+            if cuts:
+                replay = _replay(log_dir, ctx)
+                mc.set_cuts(replay.cuts_for if replay else None)
+                ptasks = extract_partition_tasks(mc, keys, knobs_for=replay)
+                if ptasks:
+                    todo = left()
+                    budget = dict(
+                        trials=None if trials is None else max(1, math.ceil(
+                            todo["trials"] * cut_share)),
+                        time_budget=None if time_budget is None else
+                        todo["time_budget"] * cut_share)
+                    reps.append(stage(ptasks, "cuts" + suffix, budget,
+                                      None if n == 1 else stall))
+                replay = _replay(log_dir, ctx)
+                mc.set_cuts(replay.cuts_for if replay else None)
+            if exhausted(left()):
+                break
+            reps.append(stage(extract_tasks(mc, keys), "tiles" + suffix, left(),
+                              None if last else stall))
+            if not reps[-1]["stalled"]:
+                break                    # the budget is spent, or every space exhausted
     rep = _merge(reps, time.time() - t_start)
     rep["programs"] = [f"{p}_{r}x{g}p" for p, r, g in keys]
     rep["context"] = ctx.as_dict()
@@ -121,9 +161,18 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     return rep
 
 
+def _replay(log_dir: str, ctx):
+    """The log's :class:`~edgetvm.tune.log.Replay` for ``ctx`` (None: nothing measured)."""
+    from .log import Replay, TuningLogError
+    try:
+        return Replay(log_dir, ctx)
+    except TuningLogError:
+        return None
+
+
 def _stage(mc, tasks, tlog, ctx, name, budget, opts, workers, rpc_tracker, rpc_key,
            timeout) -> dict:
-    """One tuner over ``tasks`` with ``budget`` (trials / time_budget)."""
+    """One tuner over ``tasks`` with ``budget`` (:meth:`Tuner.run`'s keywords)."""
     from .tuner import Tuner
 
     measurer = make_measurer(mc, tasks, ctx.profile, workers, rpc_tracker, rpc_key,
@@ -136,16 +185,23 @@ def _stage(mc, tasks, tlog, ctx, name, budget, opts, workers, rpc_tracker, rpc_k
 
 
 def _merge(reps: list, seconds: float) -> dict:
-    """The report of the stages (cut points, then tiles) as one."""
+    """The report of the stages (cut points, then tiles, round after round) as one."""
     if not reps:
         return dict(tasks=[], measured=0, seconds=seconds, step_cycles_default=0,
                     step_cycles_tuned=0, stages=[])
     out = dict(reps[-1])
-    out["tasks"] = [t for r in reps for t in r["tasks"]]
+    # a task tuned in two rounds (same kernel, same neighbours) is one row: the last
+    # round's, which counts every trial
+    rows: dict = {}
+    for r in reps:
+        for t in r["tasks"]:
+            rows.pop((t["workload"], t["context"]), None)
+            rows[t["workload"], t["context"]] = t
+    out["tasks"] = list(rows.values())
     out["measured"] = sum(r["measured"] for r in reps)
     out["seconds"] = seconds
     out["stages"] = [dict(stage=r["stage"], measured=r["measured"],
-                          seconds=round(r["seconds"], 1),
+                          seconds=round(r["seconds"], 1), stalled=r["stalled"],
                           step_cycles_default=r["step_cycles_default"],
                           step_cycles_tuned=r["step_cycles_tuned"]) for r in reps]
     return out
@@ -215,9 +271,14 @@ def main(argv=None) -> int:
                     help="keep the strategy's kernel boundaries; tune only the kernels' "
                          "knobs")
     ap.add_argument("--cut-share", type=float, default=CUT_SHARE, metavar="F",
-                    help="the share of the budget the search over kernel boundaries may "
-                         f"take first (default {CUT_SHARE})")
-    ap.add_argument("--batch", type=int, default=8, help="candidates per round (default 8)")
+                    help="the share of each round's budget the search over kernel "
+                         f"boundaries may take first (default {CUT_SHARE})")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, metavar="N",
+                    help="at most N turns of (cut points, then the kernels' knobs): when "
+                         "the knobs stall, the next round chooses the cuts again on the "
+                         f"tuned kernels (default {ROUNDS})")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="candidates per tuner batch (default 8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-model", action="store_true",
                     help="random search, no cost model (the baseline)")
@@ -246,7 +307,8 @@ def main(argv=None) -> int:
                    rpc_key=args.rpc_key, timeout=args.timeout, seed=args.seed,
                    batch=args.batch,
                    use_model=not args.no_model, cuts=not args.no_cuts,
-                   cut_share=args.cut_share, validate=not args.no_validate,
+                   cut_share=args.cut_share, rounds=args.rounds,
+                   validate=not args.no_validate,
                    progress=not args.quiet)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)

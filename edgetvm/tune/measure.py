@@ -86,7 +86,8 @@ def lower_candidate(mc, task, knobs, copies: int = 1) -> Job:
 
 def lower_kernels(mc, task, knobs) -> list:
     """The candidate's kernels: the kernel lowered with ``knobs``, or for a partition task
-    the run's clusters under the cuts ``knobs`` with their default knobs (raises
+    the run's clusters under the cuts ``knobs``, with their tuned knobs where the task has
+    some (:attr:`~edgetvm.tune.tasks.PartitionTask.tiles`), else the defaults (raises
     CandidateRejected; another error: RuntimeError)."""
     try:
         if task.kind == PARTITION:
@@ -97,7 +98,8 @@ def lower_kernels(mc, task, knobs) -> list:
                                         f"{[task.graph.ops[i].name for i in bad]} may not "
                                         f"share a kernel")
             cons = task.graph.consumers()
-            return [mc.kernels.kernel(task.graph, g, cons) for g in groups]
+            return [mc.kernels.kernel(task.graph, g, cons, knobs=task.tiles_of(g))
+                    for g in groups]
         return [mc.kernels.kernel(task.graph, list(task.group), knobs=knobs)]
     except BuildError as e:
         raise CandidateRejected(str(e)) from None
@@ -203,7 +205,28 @@ def _lower_and_run(mc, task, knobs, emulator, slow_after=None):
     return res, time.time() - t0
 
 
-class LocalMeasurer:
+class Measurer:
+    """What a tuner measures with. :meth:`measure` lowers and runs a batch of one task's
+    candidates, returning per candidate ``(Measurement or the exception, wall seconds)``;
+    :meth:`measure_many` the same for ``(task, knobs)`` pairs of several tasks (the
+    tuner's baselines). :attr:`workers`: how many candidates it runs at once;
+    :attr:`tasks_at_once`: whether :meth:`measure_many` runs several tasks' candidates
+    at once (else one after another)."""
+
+    workers = 1
+    tasks_at_once = False
+
+    def measure(self, task, batch: list, slow_after: int | None = None) -> list:
+        raise NotImplementedError
+
+    def measure_many(self, pairs: list, slow_after: int | None = None) -> list:
+        return [self.measure(task, [kn], slow_after)[0] for task, kn in pairs]
+
+    def close(self) -> None:
+        pass
+
+
+class LocalMeasurer(Measurer):
     """In this process, one candidate after another (no timeout: nothing can stop an
     emulator run in its own process)."""
 
@@ -213,9 +236,6 @@ class LocalMeasurer:
 
     def measure(self, task, batch: list, slow_after: int | None = None) -> list:
         return [_lower_and_run(self.mc, task, kn, self.emulator, slow_after) for kn in batch]
-
-    def close(self) -> None:
-        pass
 
 
 _FORKED = None          # (compiler, tasks by workload, profile) inherited by the workers
@@ -237,12 +257,14 @@ def _stop_pool(pool) -> None:
         pool.join()
 
 
-class ForkMeasurer:
+class ForkMeasurer(Measurer):
     """``workers`` forked processes, each lowering and running its candidates. A candidate
     past ``timeout`` seconds is a failed trial (the i-th of a batch is given until
     ``timeout * (i // workers + 1)`` after the batch started: the candidates queued before
     it take their turn first); the pool is then stopped (the hung worker with it) and
     forked again for the next batch."""
+
+    tasks_at_once = True
 
     def __init__(self, mc, tasks, profile, workers: int, timeout: float):
         self.state = (mc, {t.workload: t for t in tasks}, profile)
@@ -316,7 +338,7 @@ def _fork_run(workload: str, knobs, slow_after=None):
 _EMU = None
 
 
-class RunnerMeasurer:
+class RunnerMeasurer(Measurer):
     """An ``edgetvm.runner`` (``tracker://HOST:PORT/KEY``, ``rpc://``...): candidates are
     lowered here (by ``lower_workers`` forked processes when more than one: lowering is
     most of a candidate's time, so servers alone would wait on it), each run twice (the

@@ -17,8 +17,9 @@ tile, output slots, DMA split. KV appends have no knobs and are not tasks.
 
 A **partition task** (:class:`PartitionTask`) is the cuts of one run of fusable ops
 (:mod:`edgetvm.build.cuts`: the row-local ops between two template kernels, a layer's tail
-and the next layer's head): one 0/1 knob per position that may be cut, the strategy's cuts
-as its default. Its candidate is the run's clusters with their default knobs.
+and the next layer's head): one 0/1 knob per position that may be cut, the compiler's
+cuts as its default. Its candidate is the run's clusters, each with its tuned knobs from
+the log where it has some, else its default knobs.
 
 A candidate is measured **in context** (:func:`~edgetvm.build.measure.measure_in_context`):
 linked between the kernels before and after the task's first occurrence, with their
@@ -39,7 +40,7 @@ from tvm import s_tir
 
 from edgetvm.build.cuts import cuts_of, forced_cuts, groups_of, joinable, run_key, runs
 from edgetvm.build.graph import BuildError
-from edgetvm.build.kernels import cluster_matmuls, cluster_rows, stage_cluster
+from edgetvm.build.kernels import cluster_key, cluster_matmuls, cluster_rows, stage_cluster
 from edgetvm.tir_schedules.attention import kv_tile_candidates
 from edgetvm.tir_schedules.common import tile_candidates
 from edgetvm.tir_schedules.fused import ROW_TILES, knob_names, schedule_cluster
@@ -309,19 +310,37 @@ class PartitionTask(Task):
     """The cuts of one run of fusable ops (:mod:`edgetvm.build.cuts`): which kernel
     boundaries it has. A point is one 0/1 knob per position that may be cut (``cut_P``);
     its knobs are ``{"cuts": [P, ...]}`` with the forced cuts included. A candidate is the
-    run's clusters (default tile knobs) linked between the kernels before and after the
-    run, measured in context as a kernel is; joins that may not share a kernel are never
-    proposed, and clusters over the TCM are rejected when lowered."""
+    run's clusters (each with its :attr:`tiles` or default knobs) linked between the
+    kernels before and after the run, measured in context as a kernel is; joins that may
+    not share a kernel are never proposed, and clusters over the TCM are rejected when
+    lowered."""
 
     forced: tuple = ()
+    #: op group (a contiguous span of the run) -> the tuned knobs its cluster is lowered
+    #: with (from the log, :func:`extract_partition_tasks`; only where they are not the
+    #: defaults); others get the default knobs
+    tiles: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
         sh = self.shape
         return f"cuts of {sh['ops']} ops m={sh['rows']} {self.name}"
 
+    def set_context(self, mc) -> None:
+        """The neighbours' keys and the tuned knobs its clusters are lowered with: cuts
+        measured with other tiles are another measurement (a resumed or second cut stage
+        after a tile stage measures again, never compares with the default-tile ones)."""
+        super().set_context(mc)
+        if self.tiles:
+            tiles = sorted((list(g), canonical_knobs(k)) for g, k in self.tiles.items())
+            self.context = workload_hash(f"{self.context}|tiles {tiles!r}")[:16]
+
+    def tiles_of(self, group) -> dict | None:
+        """The knobs the cluster of ``group`` is lowered with (None: the defaults)."""
+        return self.tiles.get(tuple(group))
+
     def tile_ops(self, knobs: dict) -> int:
-        return 0                       # its clusters keep their default tiles
+        return 0                       # no tile knobs of its own
 
     @property
     def size_hint(self) -> int:
@@ -349,16 +368,22 @@ class PartitionTask(Task):
         return [p for p in super().neighbours(point) if self.valid(p)]
 
 
-def extract_partition_tasks(mc, keys) -> list:
+def extract_partition_tasks(mc, keys, knobs_for=None) -> list:
     """One :class:`PartitionTask` per distinct run of fusable ops (two ops or more, with a
     position that may be cut or not) of compiler ``mc``'s phase programs ``keys``; its
-    default cuts are those of the compiler's strategy."""
+    default cuts are those of the compiler's partition (its strategy's, or the cuts it
+    replays: a later cut stage starts from the cuts the earlier one chose).
+
+    ``knobs_for`` (kernel key -> knobs or None, e.g. a :class:`~edgetvm.tune.log.Replay`):
+    the tuned knobs of clusters; a candidate lowers each of its clusters that has some
+    with them (:attr:`PartitionTask.tiles`), so that the cuts are chosen on tuned kernels,
+    not on default ones: cut points and tiles, searched in turns, are one search."""
     tasks: dict = {}
     fixed: set = set()                 # runs with no choice
     for key in keys:
         g = mc.graph(*key)
         consumers = g.consumers()
-        groups = mc.strategy_partition(g)
+        groups = mc.partition(g)
         start = {grp[0]: n for n, grp in enumerate(groups)}
         end = {grp[-1]: n for n, grp in enumerate(groups)}
         for run in runs(g):
@@ -388,10 +413,35 @@ def extract_partition_tasks(mc, keys) -> list:
                     default_knobs={"cuts": default}, shape=_run_shape(g, run),
                     before=tuple(groups[a - 1]) if a > 0 else None,
                     after=tuple(groups[b + 1]) if b + 1 < len(groups) else None,
-                    forced=tuple(forced))
+                    forced=tuple(forced),
+                    tiles=_tuned_spans(mc, g, run, consumers, knobs_for))
                 t.set_context(mc)
             t.occurs_in(key)
     return list(tasks.values())
+
+
+def _tuned_spans(mc, graph, run, consumers, knobs_for) -> dict:
+    """Contiguous op spans of ``run`` (as tuples) -> ``knobs_for`` their cluster's key,
+    where it has knobs other than the defaults."""
+    if knobs_for is None:
+        return {}
+    out: dict = {}
+    for a in range(len(run)):
+        for b in range(a + 1, len(run) + 1):
+            span = tuple(run[a:b])
+            try:
+                cluster, _ = stage_cluster(graph, span, consumers)
+            except BuildError:
+                continue
+            knobs = knobs_for(cluster_key(cluster))
+            if knobs is None:
+                continue
+            # compared in the space's flat form (slots_in 2 is {"t0": 2})
+            flat = Task("", "cluster", "", graph, span, space=cluster_space(cluster)[0])
+            default = mc.kernels.kernel(graph, list(span), consumers).knobs
+            if flat.flatten(knobs) != flat.flatten(default):
+                out[span] = knobs
+    return out
 
 
 def _run_shape(graph, run) -> dict:

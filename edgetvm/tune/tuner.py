@@ -79,6 +79,15 @@ SLOW = 4
 #: of the space (:meth:`Tuner._affordable`)
 MAX_TILE_OPS = 8
 
+#: a stage given ``stall`` stops once its last ``max(stall, a quarter of its measurements)``
+#: measurements raised :meth:`Tuner.gain` by less than this (0.2 % of the programs'
+#: latency): the tiles of these cuts are about done, the next round may cut otherwise
+STALL_GAIN = 0.002
+
+#: ... and only while the tasks without a baseline yet hold less than this share of the
+#: programs' latency (a stage that has not reached its heavy kernels is not done)
+STALL_UNREACHED = 0.05
+
 #: the note on a baseline record whose default knobs break the budget themselves
 DEFAULTS_OVER = "defaults over budget"
 
@@ -229,7 +238,7 @@ class Tuner:
             return self._records(state, batch, False, self.measurer.measure(
                 state.task, batch, slow_after=slow_after))
         out: list = []
-        par = max(1, getattr(self.measurer, "workers", 1))
+        par = max(1, self.measurer.workers)
         for i in range(0, len(batch), par):
             if out and time.time() >= deadline:
                 break
@@ -275,9 +284,8 @@ class Tuner:
     def _baselines(self, states: list) -> None:
         """Measure the default knobs of ``states`` (as many tasks at once as the measurer
         runs); a task whose defaults do not measure is left out of the search."""
-        many = getattr(self.measurer, "measure_many", None)
-        results = many([(s.task, s.task.default_knobs) for s in states]) if many else \
-            [self.measurer.measure(s.task, [s.task.default_knobs])[0] for s in states]
+        results = self.measurer.measure_many([(s.task, s.task.default_knobs)
+                                              for s in states])
         recs = []
         for s, res in zip(states, results):
             (rec,) = self._records(s, [s.task.default_knobs], True, [res])
@@ -296,8 +304,7 @@ class Tuner:
     def _next_baselines(self, first, trials: int | None) -> list:
         """``first`` and, to fill the measurer's workers, the next tasks without a
         baseline, the heaviest (estimated) first."""
-        many = getattr(self.measurer, "measure_many", None)
-        par = max(1, getattr(self.measurer, "workers", 1)) if many else 1
+        par = max(1, self.measurer.workers) if self.measurer.tasks_at_once else 1
         if trials is not None:
             par = max(1, min(par, trials - self.measured_now))
         rate = self._cycles_per_byte()
@@ -431,19 +438,53 @@ class Tuner:
         cap = MAX_TILE_OPS * max(1, t.tile_ops(t.default_knobs))
         return [p for p in points if t.tile_ops(t.to_knobs(p)) <= cap]
 
-    def run(self, trials: int | None = None, time_budget: float | None = None) -> dict:
+    def gain(self) -> float:
+        """What tuning gained so far: the mean over the selected programs of the share of
+        their default latency saved (occurrences x (default - best cycles) of their
+        measured tasks, over the program's default cycles)."""
+        rate = self._cycles_per_byte()
+        totals = self.program_defaults(rate)
+        if not totals:
+            return 0.0
+        saved = sum(self.weight(s, totals) * (s.default_cycles - s.best_cycles)
+                    for s in self.states if s.default_cycles and s.best_cycles)
+        return saved / len(totals)
+
+    def unreached_share(self) -> float:
+        """The mean over the selected programs of the share of their default latency in
+        tasks without a baseline yet (estimated, :meth:`estimated_cycles`)."""
+        rate = self._cycles_per_byte()
+        totals = self.program_defaults(rate)
+        if not totals:
+            return 0.0
+        return sum(self.weight(s, totals) * self.estimated_cycles(s, rate)
+                   for s in self.states
+                   if s.default_cycles is None and not s.exhausted) / len(totals)
+
+    def run(self, trials: int | None = None, time_budget: float | None = None,
+            stall: int | None = None) -> dict:
         """Tune until ``trials`` measurements were made by this run (rejected candidates do
-        not count) or ``time_budget`` seconds passed, or every space is exhausted."""
+        not count) or ``time_budget`` seconds passed, or every space is exhausted, or with
+        ``stall``, the search stalls: the last ``stall`` searched candidates or more
+        gained too little (:data:`STALL_GAIN`) and the tasks it has not reached yet are
+        light (:data:`STALL_UNREACHED`; the report's ``stalled``)."""
         if trials is None and time_budget is None:
             raise TuneError("give a budget: trials or a time budget")
         t_start = time.time()
         deadline = None if time_budget is None else t_start + time_budget
         bar = _bar(trials, self.progress, self.desc)
+        searched = 0                           # measurements of searched candidates
+        gains = [(0, self.gain())]             # (searched, gain) after each batch
+        stalled = False
         try:
             while True:
                 if trials is not None and self.measured_now >= trials:
                     break
                 if deadline is not None and time.time() >= deadline:
+                    break
+                if stall and self._stalled(gains, searched, stall) and \
+                        self.unreached_share() < STALL_UNREACHED:
+                    stalled = True
                     break
                 s = self._pick(timed=deadline is not None)
                 if s is None:
@@ -459,7 +500,7 @@ class Tuner:
                     # no batch that would end well past the budget: as many candidates as
                     # this task's mean trial time leaves room for (at least one)
                     left = deadline - time.time()
-                    par = getattr(self.measurer, "workers", 1)    # candidates at once
+                    par = self.measurer.workers                   # candidates at once
                     n = min(n, par * (int(left / max(1e-3, s.wall_s / s.walls)) + 1))
                 batch = self._propose(s, max(1, n))
                 if not batch:
@@ -472,6 +513,8 @@ class Tuner:
                 if self.model is not None:
                     self.model.fit()
                 s.history.append(s.best_cycles or s.default_cycles)
+                searched += self.measured_now - before
+                gains.append((searched, self.gain()))
                 bar.update(self.measured_now - before)
                 bar.set_postfix_str(self.progress_text())
         finally:
@@ -481,7 +524,19 @@ class Tuner:
         if unmeasured:
             log.info("the budget reached %d of %d tasks; the other %d keep their default "
                      "knobs", len(self.states) - unmeasured, len(self.states), unmeasured)
-        return self.report(time.time() - t_start)
+        return dict(self.report(time.time() - t_start), stalled=stalled)
+
+    @staticmethod
+    def _stalled(gains: list, n: int, stall: int) -> bool:
+        """Did the last ``max(stall, n / 4)`` of the ``n`` searched candidates (baselines
+        are not searched: they gain nothing) raise the gain by less than
+        :data:`STALL_GAIN`? (:meth:`run` also asks that the tasks without a baseline
+        are light: a stage that has not reached its heavy kernels is not done.)"""
+        window = max(stall, n // 4)
+        if n < window:
+            return False
+        then = [g for m, g in gains if m <= n - window][-1]
+        return gains[-1][1] - then < STALL_GAIN
 
     def report(self, seconds: float) -> dict:
         rows = []
@@ -525,7 +580,7 @@ def format_report(rep: dict) -> str:
                      f"{r.get('over_budget', 0):>4}")
     for st in rep.get("stages") or [dict(rep, stage="tuning")]:
         d, b = st["step_cycles_default"], st["step_cycles_tuned"]
-        what = "runs of fusable ops" if st["stage"] == "cuts" else "kernels"
+        what = "runs of fusable ops" if st["stage"].startswith("cuts") else "kernels"
         lines.append(f"{st['stage']}: sum over the {what} of the selected programs (runs x "
                      f"cycles): {d:,} -> {b:,} cycles ({d / b:.3f}x), {st['measured']} "
                      f"measurements in {st['seconds']:.1f} s" if b else

@@ -2,6 +2,7 @@
 failed and rejected trials, the cost model, replay into byte-identical artifacts whose
 kernels measure what the log says."""
 import json
+import math
 import pathlib
 import zipfile
 
@@ -40,6 +41,16 @@ def mc():
 def tuned(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tl") / "log")
     rep = tune(LLAMA, **SMALL, trials=150, log_dir=d, progress=False, seed=1)
+    return d, rep
+
+
+@pytest.fixture(scope="module")
+def rounds(tmp_path_factory):
+    """A tune whose tiles stall (stall=16 on the decode programs of the tiny model), so
+    its budget goes to several rounds of cuts, then tiles."""
+    d = str(tmp_path_factory.mktemp("rounds") / "log")
+    rep = tune(LLAMA, buckets=(8,), max_tokens=16, phases=["decode"], trials=200,
+               log_dir=d, progress=False, seed=3, stall=16)
     return d, rep
 
 
@@ -136,8 +147,9 @@ def test_tuning_improves_logs_everything_and_resumes_without_remeasuring(tuned, 
     assert len(reached) >= 5
     for row in reached:
         assert row["best_cycles"] <= row["default_cycles"]
-    # both stages ran: the kernel boundaries first, then the tiles of the chosen clusters
-    assert [st["stage"] for st in rep["stages"]] == ["cuts", "tiles"]
+    # the kernel boundaries first, then the tiles of the chosen clusters (which do not
+    # stall within this budget: one round)
+    assert [st["stage"] for st in rep["stages"]] == ["cuts 1", "tiles 1"]
     assert rep["stages"][0]["measured"] <= 38        # ceil(150 x CUT_SHARE)
     assert any(r["kind"] == "partition" for r in rep["tasks"])
     # measured in context, the chosen knobs never make a linked program slower (measured
@@ -150,7 +162,9 @@ def test_tuning_improves_logs_everything_and_resumes_without_remeasuring(tuned, 
     ctx = recs[0].context
     assert all(r.context == ctx for r in recs)
     assert ctx.profile == "performance" and ctx.spec == load_spec("edge-npu-16mb").hash()
-    seen = {(r.workload, r.knobs_key) for r in recs}
+    # nothing measured twice in one context (a second round measures the first one's
+    # cuts again with tuned tiles, and kernels again between new neighbours)
+    seen = {(r.workload, r.knobs_key, r.neighbours) for r in recs}
     assert len(seen) == len(recs)
     # rerun with the same log: the baselines come from the log, nothing is tried twice
     # (on a copy: the other tests replay the fixture's log of one run)
@@ -170,6 +184,95 @@ def test_tuning_improves_logs_everything_and_resumes_without_remeasuring(tuned, 
         if a["default_cycles"] is not None:
             assert b["best_cycles"] <= a["best_cycles"] and \
                 b["default_cycles"] == a["default_cycles"]
+
+
+def test_a_later_cut_stage_starts_from_the_chosen_cuts_on_tuned_kernels(rounds, tmp_path):
+    """Cut points and tiles are one search: a later round's partition tasks start from the
+    cuts chosen before and lower every cluster the log had tuned (to other than its
+    defaults) with its tuned knobs. Rebuilt from the log as it stood before that cut
+    stage (a copy of its first records), they are measured in a context of their own and
+    remeasure that stage's records."""
+    from edgetvm.tune.measure import lower_kernels
+    from edgetvm.tune.tasks import extract_partition_tasks
+    d, rep = rounds
+    # rounds: cuts, then tiles until they stall, again; each cut stage at most CUT_SHARE
+    # of the budget left, the last tile stage till the budget's end
+    names = [st["stage"] for st in rep["stages"]]
+    assert names[:4] == ["cuts 1", "tiles 1", "cuts 2", "tiles 2"]
+    assert rep["stages"][1]["stalled"] and not rep["stages"][-1]["stalled"]
+    assert rep["measured"] == 200
+    done = 0
+    for st in rep["stages"]:
+        if st["stage"].startswith("cuts"):
+            assert st["measured"] <= math.ceil((200 - done) * 0.25)
+        done += st["measured"]
+    assert all(p["tuned_cycles"] <= p["default_cycles"] for p in rep["phases"])
+    recs = TuningLog(d).records()
+    assert REJECTED not in {r.status for r in recs}
+    assert len({(r.workload, r.knobs_key, r.neighbours) for r in recs}) == len(recs)
+    with open(pathlib.Path(d) / "records.jsonl") as f:
+        lines = f.readlines()
+    assert len(lines) == len(recs)
+    ctx = log_context(LLAMA, load_spec("edge-npu-16mb"), None, None)
+    emu = Emulator(load_spec("edge-npu-16mb"))
+    ends = np.cumsum([st["measured"] for st in rep["stages"]])
+    tiled = 0
+    for n, st in enumerate(rep["stages"]):
+        if not st["stage"].startswith("cuts") or n == 0 or not st["measured"]:
+            continue
+        n0, n1 = int(ends[n - 1]), int(ends[n])
+        before = tmp_path / f"upto{n}"
+        before.mkdir()
+        (before / "records.jsonl").write_text("".join(lines[:n0]))
+        rp = Replay(str(before), ctx)
+        mc2 = ModelCompiler(LLAMA, max_tokens=16, max_rows=8, cuts_for=rp.cuts_for)
+        keys = select_keys(mc2.phase_keys((8,)), ["decode"])
+        tasks = {t.workload: t for t in extract_partition_tasks(mc2, keys, knobs_for=rp)}
+        stage = recs[n0:n1]
+        assert all(r.kind == "partition" for r in stage)
+
+        def best(w, upto=n0):   # the fastest record of w so far, in its latest context
+            mine = [r for r in recs[:upto] if r.workload == w]
+            ok = [r for r in mine if r.status == OK and r.neighbours == mine[-1].neighbours]
+            return min(ok, key=lambda r: (r.cycles, r.knobs_key)) if ok else None
+        for w in {r.workload for r in stage}:
+            t = tasks[w]
+            first = next(r for r in stage if r.workload == w)
+            assert first.neighbours == t.context
+            if best(w) is not None and best(w).neighbours == t.context:
+                continue                         # it resumed a search, no new baseline
+            # a new context starts from the cuts chosen so far: its baseline is first
+            assert first.knobs == t.default_knobs
+            if best(w) is not None:
+                assert t.default_knobs == best(w).knobs
+            if not t.tiles:
+                continue
+            tiled += 1
+            for span, knobs in t.tiles.items():
+                kernel = mc2.kernels.kernel(t.graph, list(span))
+                assert knobs == best(workload_hash(kernel.key)).knobs != kernel.knobs
+            for r in [x for x in stage if x.workload == w and x.status == OK][:3]:
+                groups = t.groups(r.knobs)
+                ks = lower_kernels(mc2, t, r.knobs)
+                assert [k.knobs for k, g in zip(ks, groups) if tuple(g) in t.tiles] == \
+                    [t.tiles[tuple(g)] for g in groups if tuple(g) in t.tiles]
+                assert measure_candidate(mc2, t, r.knobs, emu).cycles == r.cycles
+    assert tiled
+
+
+def test_a_stage_stalls_when_its_last_searched_candidates_gain_too_little():
+    """The window is the last max(stall, a quarter of the searched) candidates; the gain
+    is compared with where it stood before them."""
+    from edgetvm.tune.tuner import STALL_GAIN
+    gains = [(0, 0.0), (64, 0.05), (128, 0.05), (200, 0.05 + STALL_GAIN / 2)]
+    assert Tuner._stalled(gains, 200, 128)           # since 64: +0.001
+    assert not Tuner._stalled(gains, 150, 128)       # since 0: +0.051
+    assert not Tuner._stalled(gains, 100, 128)       # fewer than the window
+    gains.append((1000, 0.06))
+    # a quarter of 1000: since 750, where it stood at 200
+    assert not Tuner._stalled(gains, 1000, 128)
+    assert not Tuner._stalled(gains + [(1200, 0.06)], 1200, 128)  # since 900: +0.009
+    assert Tuner._stalled(gains + [(1500, 0.06)], 1500, 128)      # since 1125: nothing
 
 
 def test_failed_and_rejected_trials_are_logged_and_the_tuner_goes_on(tmp_path, monkeypatch):
@@ -320,6 +423,8 @@ def test_tune_cli(tmp_path, capsys):
     assert tune_main([str(tmp_path / "missing.onnx"), "--trials", "5", "--log", d]) == 1
     assert tune_main([LLAMA, "--trials", "5", "--cut-share", "1.5", "--log", d]) == 1
     assert "--cut-share" in capsys.readouterr().err
+    assert tune_main([LLAMA, "--trials", "5", "--rounds", "0", "--log", d]) == 1
+    assert "--rounds" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         tune_main([LLAMA, "--trials", "5", "--rpc-tracker", "nohost", "--log", d])
     assert "HOST:PORT" in capsys.readouterr().err
