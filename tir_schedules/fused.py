@@ -226,7 +226,11 @@ def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=
     for rv, blk in blocks:
         dst = blk.writes[0].source.name
         if dst in out_names:
-            st = sch.cache_write(rv, 0, TCM)
+            # a result read after the kernel and inside it (a residual sum the norm reads,
+            # a norm output one of the projections after the cut reads): the ops inside
+            # read the TCM copy the store reads too, never the DRAM output
+            inside = list(sch.get_consumers(rv))
+            st = sch.cache_write(rv, 0, TCM, consumer_blocks=inside or None)
             stores[sch.get(st).name_hint] = blk.name_hint
         else:
             sch.set_scope(rv, 0, TCM)

@@ -173,17 +173,7 @@ class Task:
         """The flat form (names of :attr:`space`) of a knob set."""
         if self.kind != "cluster":
             return {k: knobs.get(k) for k in self.space}
-        point = {}
-        for name in self.space:
-            if "." in name:
-                stage, k = name.split(".", 1)
-                point[name] = knobs.get("matmul", {}).get(stage, {}).get(k)
-            elif name.startswith("slots_") and name != "slots_out":
-                s = knobs.get("slots_in")
-                point[name] = s.get(name[len("slots_"):]) if isinstance(s, dict) else s
-            else:
-                point[name] = knobs.get(name)
-        return point
+        return flat_cluster_knobs(self.space, knobs)
 
     def to_point(self, knobs: dict) -> dict | None:
         """The flat point of a knob set, or None when it is not in :attr:`space`."""
@@ -225,6 +215,22 @@ class Task:
                 if v != point[name]:
                     out.append({**point, name: v})
         return out
+
+
+def flat_cluster_knobs(space: dict, knobs: dict) -> dict:
+    """A fusion cluster's knob set (``matmul`` per stage, ``slots_in`` one value or per
+    input) in the flat form of its space's names (``s0.tile_n``, ``slots_t0``, ...)."""
+    point = {}
+    for name in space:
+        if "." in name:
+            stage, k = name.split(".", 1)
+            point[name] = knobs.get("matmul", {}).get(stage, {}).get(k)
+        elif name.startswith("slots_") and name != "slots_out":
+            s = knobs.get("slots_in")
+            point[name] = s.get(name[len("slots_"):]) if isinstance(s, dict) else s
+        else:
+            point[name] = knobs.get(name)
+    return point
 
 
 def cluster_space(cluster) -> tuple:
@@ -437,9 +443,9 @@ def _tuned_spans(mc, graph, run, consumers, knobs_for) -> dict:
             if knobs is None:
                 continue
             # compared in the space's flat form (slots_in 2 is {"t0": 2})
-            flat = Task("", "cluster", "", graph, span, space=cluster_space(cluster)[0])
+            space = cluster_space(cluster)[0]
             default = mc.kernels.kernel(graph, list(span), consumers).knobs
-            if flat.flatten(knobs) != flat.flatten(default):
+            if flat_cluster_knobs(space, knobs) != flat_cluster_knobs(space, default):
                 out[span] = knobs
     return out
 

@@ -474,7 +474,7 @@ class Tuner:
         deadline = None if time_budget is None else t_start + time_budget
         bar = _bar(trials, self.progress, self.desc)
         searched = 0                           # measurements of searched candidates
-        gains = [(0, self.gain())]             # (searched, gain) after each batch
+        gains = [(0, self.gain())] if stall else []   # (searched, gain) after each batch
         stalled = False
         try:
             while True:
@@ -514,7 +514,8 @@ class Tuner:
                     self.model.fit()
                 s.history.append(s.best_cycles or s.default_cycles)
                 searched += self.measured_now - before
-                gains.append((searched, self.gain()))
+                if stall:
+                    gains.append((searched, self.gain()))
                 bar.update(self.measured_now - before)
                 bar.set_postfix_str(self.progress_text())
         finally:

@@ -166,6 +166,35 @@ def test_generic_chain_layer_norm_linear_gelu_residual():
     _check(r.outputs, {"out": act + x})
 
 
+@pytest.mark.parametrize("m,knobs", [
+    (1, dict(tile_m=1, slots_in=1, slots_out=2, dma_split=1,
+             matmul={"gate": dict(tile_n=512, tile_k=576, slots_w=2, slots_c=2)})),
+    (7, dict(tile_m=4, slots_in=2, slots_out=1, dma_split=0,           # ragged row tile
+             matmul={"gate": dict(tile_n=384, tile_k=192, slots_w=1, slots_c=2)})),
+])
+def test_results_read_inside_the_kernel_and_after_it(m, knobs):
+    """A layer boundary cut after the gate projection: the residual sum and the norm's
+    output are outputs (the next residual add and the up projection read them after the
+    kernel) that ops inside also read. Those read the TCM copy the store writes from; a
+    schedule whose ops read the DRAM output (never written yet, or written by the store
+    of the same tile) fails here or gives garbage."""
+    t = {"a": ((m, HIDDEN), "float16"), "b": ((m, HIDDEN), "float16"),
+         "norm_w": ((HIDDEN,), "float16")}
+    t.update(fused.w4_tensors("gate", INTER, HIDDEN, GROUP))
+    stages = [Stage("add", ("a", "b"), "res"),
+              Stage("rms_norm", ("res", "norm_w"), "xn", {"eps": 1e-5}),
+              Stage("linear_w4a16", ("xn", "gate_w", "gate_s"), "gate")]
+    cluster = FusionCluster("add_norm_gate", t, stages, ("res", "xn", "gate"),
+                            ("norm_w", "gate_w", "gate_s"))
+    d = _data(cluster, seed=3)
+    program, r = _run(cluster, d, **knobs)
+    res = _r16(d["a"].astype(F32) + d["b"].astype(F32))
+    xn = _r16(res / np.sqrt((res * res).mean(1, keepdims=True) + 1e-5)
+              * d["norm_w"].astype(F32))
+    _check(r.outputs, {"res": res, "xn": xn, "gate": _lin(xn, d, "gate")})
+    assert {t.name for t in program.tensors_of("output")} == {"res", "xn", "gate"}
+
+
 def _separate(cluster, d, knobs):
     """Run the cluster's ops as separate kernels; returns (outputs, list of counters)."""
     env = dict(d)
