@@ -12,7 +12,10 @@ at prefill 128, prefill 512 (from position 0) and decode at KV 1024 (1,024 cache
 1 new). Per row: DRAM bytes, latency, energy, peak windowed power, throttled cycles, the
 number of clusters (kernels), and latency relative to ``op-library`` in the same case; a
 model decode row also gives its latency against the bandwidth roofline (the bytes a step
-must move: every weight, one embedding row, the KV read and the new K/V written).
+must move: every weight, one embedding row, the KV read and the new K/V written), a model
+prefill row against the compute roofline (the MACs a step must do at the matrix unit's
+peak: every linear on the rows it computes, the logits of the last position only, and
+causal attention, each query against the keys up to its own position).
 Every strategy uses the same default (untuned) knobs per kernel; ``edgellm`` chooses its
 cut points from emulator measurements of candidate clusters (edgetvm/build/search.py).
 
@@ -159,6 +162,8 @@ class Bench:
         if scope == "model" and phase == "decode":
             row["bandwidth_roofline_ratio"] = c.total_cycles / self.decode_roofline(
                 program, g, cached)
+        if scope == "model" and phase == "prefill":
+            row["compute_roofline_ratio"] = c.total_cycles / self.compute_roofline(g, cached)
         row.update(dram_bytes=int(c.dram_read_bytes + c.dram_write_bytes),
                    cycles=int(c.total_cycles), latency_us=float(c.time_us),
                    energy_uj=float(c.energy_uj), peak_power_mw=float(c.peak_power_mw),
@@ -178,6 +183,28 @@ class Bench:
         kv = graph.layers * 2 * graph.kv_heads * graph.head_dim * 2
         must += kv * (cached + 1) + kv
         return must / self.mc.spec.dram_bytes_per_cycle
+
+    def compute_roofline(self, graph, cached) -> float:
+        """Cycles to do the MACs a step must do at the matrix unit's peak: each linear's
+        rows x N x K as the graph computes it (prefill's logits for the last position
+        only), and attention's QK^T and PV over the keys each query sees (causal: query
+        ``i`` of a prompt at position ``cached`` sees ``cached + i + 1`` keys)."""
+        spec = self.mc.spec
+        cycles = 0.0
+        for op in graph.ops:
+            if op.kind == "stage" and op.stage.op.startswith("linear"):
+                (out,) = op.outputs.values()
+                rows, n = int(np.prod(out.shape[:-1])), int(out.shape[-1])
+                k = int(op.inputs[op.stage.inputs[0]].shape[-1])   # the activation
+                rate = spec.mma_macs_per_cycle[
+                    "w4a16" if op.stage.op == "linear_w4a16" else "fp16"]
+                cycles += rows * n * k / rate
+            elif op.kind == "attention":
+                rows = int(op.inputs["q"].shape[0])
+                keys = rows * cached + rows * (rows + 1) // 2
+                cycles += (2 * keys * op.attrs["q_heads"] * op.attrs["head_dim"]
+                           / spec.mma_macs_per_cycle["fp16"])
+        return cycles
 
     def upload(self, emu, kv, past) -> None:
         """Host -> device copy of onnxruntime's past into the pages (set-up, not measured):
@@ -273,9 +300,10 @@ def main(argv=None) -> int:
     print()
     print_table(rows)
     for r in rows:
-        if "bandwidth_roofline_ratio" in r:
-            print(f"{r['case']} {r['profile']} {r['strategy']}: "
-                  f"{r['bandwidth_roofline_ratio']:.3f}x the bandwidth roofline")
+        for kind in ("bandwidth", "compute"):
+            if f"{kind}_roofline_ratio" in r:
+                print(f"{r['case']} {r['profile']} {r['strategy']}: "
+                      f"{r[f'{kind}_roofline_ratio']:.3f}x the {kind} roofline")
     wrong = [r for r in rows if r.get("numerics_ok") is False]
     if args.json:
         write_json(args.json, {"benchmark": "strategies", "model": str(model),

@@ -20,7 +20,9 @@ program) and prefill 512 from position 0 (``--quick``: decode and prefill 128).
         [--quantize G] [--model PATH] [--quick] [--json PATH]
 
 The decode rows also give the latency against the bandwidth roofline (the bytes a step
-must move over the DRAM bandwidth; ``strategies.Bench.decode_roofline``).
+must move over the DRAM bandwidth; ``strategies.Bench.decode_roofline``), the prefill rows
+against the compute roofline (the MACs a step must do at the matrix unit's peak;
+``strategies.Bench.compute_roofline``).
 
 Without ``--model``, SmolLM2-135M (``$EDGETVM_SMOLLM2`` or ``../smollm2``), else the
 bundled example. A log of another model, spec, profile or version is refused.
@@ -107,8 +109,11 @@ def main(argv=None) -> int:
 
     for case in cases:
         base = run(bench, "untuned local", case, "local", "performance")
-        for r in (run(bench, f"untuned {args.strategy}", case, args.strategy, "performance"),
-                  run(tuned, f"tuned {args.strategy}", case, args.strategy, "performance")):
+        variants = [] if args.strategy == "local" else [
+            run(bench, f"untuned {args.strategy}", case, args.strategy, "performance")]
+        variants.append(run(tuned, f"tuned {args.strategy}", case, args.strategy,
+                            "performance"))
+        for r in variants:
             r["vs_untuned_local"] = r["cycles"] / base["cycles"]
         base["vs_untuned_local"] = 1.0
         if budget is not None:
@@ -122,7 +127,8 @@ def main(argv=None) -> int:
           f"{'x roofl':>7} {'peak mW':>8} {'over':>5} {'numerics':>8}")
     for r in rows:
         x = f"{r['vs_untuned_local']:.3f}" if "vs_untuned_local" in r else ""
-        rf = f"{r['bandwidth_roofline_ratio']:.3f}" if "bandwidth_roofline_ratio" in r else ""
+        ratio = r.get("bandwidth_roofline_ratio", r.get("compute_roofline_ratio"))
+        rf = f"{ratio:.3f}" if ratio is not None else ""
         print(f"{r['case']:<14} {r['profile']:<12} {r['variant']:<40} {r['cycles']:>12,} "
               f"{x:>8} {rf:>7} {r['peak_power_mw']:>8.0f} {str(r['over_budget']):>5} "
               f"{'ok' if r['numerics_ok'] else 'WRONG':>8}")
