@@ -79,6 +79,25 @@ def test_every_family_token_exact_with_mega_kernels(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_mega_joins_every_norm_to_a_projection(family):
+    """A norm between two layers' ops shares its kernel: its input (the residual sum) and
+    its output are read after the kernel too, which a cluster must lower (their reads
+    inside the kernel come from TCM). Were such clusters refused, ``mega`` would quietly
+    fall back to one kernel per norm and stay token-exact: this catches that."""
+    mc = _compiler(family, "mega")
+    for key in (("decode", 1, 1), ("prefill", 16, 1)):
+        g = mc.graph(*key)
+        norms = alone = 0
+        for group in mc.partition(g):
+            ops = [g.ops[i].stage.op for i in group if g.ops[i].kind == "stage"]
+            n = sum(op in ("rms_norm", "layer_norm") for op in ops)
+            norms += n
+            if n and not any(op.startswith("linear") for op in ops):
+                alone += 1
+        assert norms >= g.layers and alone == 0, (family, key, norms, alone)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_random_biases_and_norm_gains_in_fused_kernels(family, tmp_path):
     # the exports' biases are zero and their norm gains one; made random here, so a fused
     # kernel that drops a bias or a gain, or swaps them, changes the answer
