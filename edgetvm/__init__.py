@@ -6,4 +6,4 @@ Entry points: ``python -m edgetvm.run`` (compile + run on the emulated NPU),
 ``edgetvm.relax_passes`` (LLM semantics, quantization), ``edgetvm.tir_schedules`` (kernel
 templates), ``edgetvm.target`` (the NPU: spec, ISA, lowering, emulator).
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"

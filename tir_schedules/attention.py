@@ -16,6 +16,14 @@ Both are one loop structure, written with explicit tile loops (:class:`TileKerne
                      P = exp((Sm - mn) * scale); l = l * c + rowsum(P); O = O * c + P @ V
         out = O / l (fp16), store
 
+Decode swaps the two outer loops: ``for kv tile t`` outside, ``for kv head h`` inside, so
+a tile's pages are loaded for all KV heads at once, one DMA per page for every head (a
+page holds its heads' blocks back to back: one contiguous read, landing in each head's
+rows of the tile). Decode is bound by those KV bytes, and each DMA pays a set-up on its
+channel: SmolLM2's 2 KB per-head page blocks cost the kernel 1.13x its bytes at KV 1024,
+6 KB transfers 1.03x (default knobs). Prefill is bound by the vector unit's softmax,
+not by its KV bytes, and keeps the per-head order.
+
 The softmax scale is folded into the exponent (``exp(x * imm)``; the max of unscaled
 scores is the max of scaled ones since scale > 0). The first KV tile initialises the
 running max / sum / output instead of filling them with -inf / 0 (the NPU has no fill
@@ -100,9 +108,13 @@ class _Attention:
         self.vt = kb.tcm("V_tile", (1, self.hk, cap, self.d), "float16")
 
     def load_kv(self, h, t, klen, valid):
-        """The K and V tile ``t`` of head ``h``: one DMA per page of the tile."""
+        """The K and V tile ``t``: one DMA per page of the tile, of KV head ``h``, or of
+        every KV head when ``h`` is None (a page holds its heads' blocks back to back, so
+        that is still one contiguous DRAM read, landing in each head's rows of the tile:
+        ``kv_heads`` times fewer, larger transfers, each paying one set-up)."""
         kb, lay, d = self.kb, self.lay, self.d
         p, rt, tt = lay.page_tokens, self.rt, self.tt
+        hs = self.hk if h is None else 1
         with kb.loop(self.ppt, "pg") as pg:
             for name, cache, tile, slots, ch in (("K_load", self.k_cache, self.kt,
                                                    self.slots_kv, self.k_channel),
@@ -113,15 +125,17 @@ class _Attention:
                     # loaded whole, so the MMAs never read TCM rows no DMA wrote (the
                     # rows past the valid length are masked, but 0 * stale NaN is NaN)
                     row0 = t * tt + pg * rt
-                    return valid.iters(t * tt) + [("S", (0, self.cap), row0 + lv[0]),
-                                                  ("S", (0, d), lv[1])]
+                    head = [("S", (0, self.hk), lv[-3])] if h is None else []
+                    return valid.iters(t * tt) + head + [("S", (0, self.cap), row0 + lv[-2]),
+                                                         ("S", (0, d), lv[-1])]
 
                 def body(iv, cache=cache, tile=tile):
+                    hh = iv[-3] if h is None else h
                     tok, dd = iv[-2], iv[-1]
-                    src = cache[self.page_table[tok // p], h, tok % p, dd]
-                    return tile, (0, h, tok, dd), src, [src], None
-                kb.op(name, "dma", (rt, d), iters, body,
-                      where=lambda lv, pg=pg: t * tt + pg * rt + lv[0] < klen,
+                    src = cache[self.page_table[tok // p], hh, tok % p, dd]
+                    return tile, (0, hh, tok, dd), src, [src], None
+                kb.op(name, "dma", ((hs,) if h is None else ()) + (rt, d), iters, body,
+                      where=lambda lv, pg=pg: t * tt + pg * rt + lv[-2] < klen,
                       ann={"npu.slots": slots, "npu.channel": ch, **valid.ann,
                            **({"npu.valid_whole": 1} if valid.ann else {})})
 
@@ -303,26 +317,23 @@ def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, til
         a.rows_total = g
         valid = _Validity("valid_len", 0)
         n_tiles = -(-cap // a.tt)
-        with kb.loop(hk, "h") as h:
-            def ri(i, h=h):
-                return (h * g + i,)
-            gd = lambda lv: [("S", (0, g), lv[0]), ("S", (0, d), lv[1])]  # noqa: E731
-            kb.op("Q_load", "dma", (g, d), gd,
-                  lambda iv: (a.Q, (h * g + iv[0], iv[1]), q[h * g + iv[0], iv[1]],
-                              [q[h * g + iv[0], iv[1]]], None))
-            with kb.loop(n_tiles, "t") as t:
-                a.load_kv(h, t, cap, valid)
-                a.step(h, t, g, 0, lambda r: tirx.const(True, "bool"), ri, cap, valid,
-                       {"npu.mask_len": "valid_len"})
-            a.keep_running_max("m_final", g, lambda lv: [("S", (0, g), lv[0])], ri)
-            kb.op("normalize", "vector:div", (g, d), gd,
-                  lambda iv: (o16, (h * g + iv[0], iv[1]),
-                              tirx.Cast("float16", a.O[h * g + iv[0], iv[1]] /
-                                        a.l[h * g + iv[0]]),
-                              [a.O[h * g + iv[0], iv[1]], a.l[h * g + iv[0]]], None))
-            kb.op("O_store", "dma", (g, d), gd,
-                  lambda iv: (out, (h * g + iv[0], iv[1]), o16[h * g + iv[0], iv[1]],
-                              [o16[h * g + iv[0], iv[1]]], None))
+        qd = lambda lv: [("S", (0, hq), lv[0]), ("S", (0, d), lv[1])]  # noqa: E731
+        kb.op("Q_load", "dma", (hq, d), qd,
+              lambda iv: (a.Q, (iv[0], iv[1]), q[iv[0], iv[1]], [q[iv[0], iv[1]]], None))
+        # KV tiles outside, heads inside: a tile's pages are loaded for every KV head at
+        # once (one DMA per page), then each head's query group takes its softmax step
+        with kb.loop(n_tiles, "t") as t:
+            a.load_kv(None, t, cap, valid)
+            with kb.loop(hk, "h") as h:
+                a.step(h, t, g, 0, lambda r: tirx.const(True, "bool"),
+                       lambda i, h=h: (h * g + i,), cap, valid, {"npu.mask_len": "valid_len"})
+        a.keep_running_max("m_final", hq, lambda lv: [("S", (0, hq), lv[0])], lambda i: (i,))
+        kb.op("normalize", "vector:div", (hq, d), qd,
+              lambda iv: (o16, (iv[0], iv[1]),
+                          tirx.Cast("float16", a.O[iv[0], iv[1]] / a.l[iv[0]]),
+                          [a.O[iv[0], iv[1]], a.l[iv[0]]], None))
+        kb.op("O_store", "dma", (hq, d), qd,
+              lambda iv: (out, (iv[0], iv[1]), o16[iv[0], iv[1]], [o16[iv[0], iv[1]]], None))
     return kb
 
 

@@ -14,9 +14,10 @@ K and V are two DRAM ``state`` tensors (they persist on the device across calls)
 * **head-grouped inside a page**: the ``page_tokens x head_dim`` tokens of one KV head are
   one contiguous block (``P * D * 2`` bytes, 2 KB for P = 16, D = 64), so an attention
   kernel loads a K or V tile of one head with one DMA per page, with no stride gaps and
-  no bytes of the other heads; grouped-query heads then reuse that tile from TCM.
-  A token-major page ``(P, kv_heads, D)`` would need ``kv_heads`` times more, smaller
-  DMAs per tile (or load heads the kernel is not working on).
+  no bytes of the other heads, and a whole page of every head (decode) is one contiguous
+  read too; grouped-query heads then reuse that tile from TCM. A token-major page
+  ``(P, kv_heads, D)`` would need ``kv_heads`` times more, smaller DMAs per tile of one
+  head (or load heads the kernel is not working on).
 
 The valid length (tokens in the cache, including the ones just appended) is a runtime
 parameter of the attention kernels (``valid_len``); tokens past it are never read (their

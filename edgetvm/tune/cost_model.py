@@ -122,7 +122,8 @@ def features(task, knobs: dict, spec) -> np.ndarray:
         tcm = knobs["slots_kv"] * 2 * tkv * hk * hd * 2 + knobs["slots_s"] * tq * tkv * hq * 4
         macs = 2 * rows * cap * hq * hd
         dram = kv_bytes * q_tiles + rows * hq * hd * 4
-        dma = 2 * q_tiles * kv_tiles * max(1, tkv // 16) * hk
+        # a page DMA per KV head (prefill), or one per page for all heads (decode)
+        dma = 2 * q_tiles * kv_tiles * max(1, tkv // 16) * (hk if "tile_q" in knobs else 1)
         f.update(log_tile_q=_l(tq), log_tile_kv=_l(tkv), kv_tiles=kv_tiles,
                  row_tiles=q_tiles, log_act_bytes=_l(rows * hq * hd * 2),
                  log_weight_dram=_l(kv_bytes * q_tiles), log_dma_count=_l(dma),

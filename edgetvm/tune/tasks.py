@@ -41,6 +41,7 @@ from tvm import s_tir
 from edgetvm.build.cuts import cuts_of, forced_cuts, groups_of, joinable, run_key, runs
 from edgetvm.build.graph import BuildError
 from edgetvm.build.kernels import cluster_key, cluster_matmuls, cluster_rows, stage_cluster
+from edgetvm.errors import CandidateRejected
 from edgetvm.tir_schedules.attention import kv_tile_candidates
 from edgetvm.tir_schedules.common import tile_candidates
 from edgetvm.tir_schedules.fused import ROW_TILES, knob_names, schedule_cluster
@@ -444,8 +445,12 @@ def _tuned_spans(mc, graph, run, consumers, knobs_for) -> dict:
                 continue
             # compared in the space's flat form (slots_in 2 is {"t0": 2})
             space = cluster_space(cluster)[0]
-            default = mc.kernels.kernel(graph, list(span), consumers).knobs
-            if flat_cluster_knobs(space, knobs) != flat_cluster_knobs(space, default):
+            try:
+                default = mc.kernels.kernel(graph, list(span), consumers).knobs
+            except (BuildError, CandidateRejected):
+                default = None           # the defaults do not lower: the logged knobs do
+            if default is None or \
+                    flat_cluster_knobs(space, knobs) != flat_cluster_knobs(space, default):
                 out[span] = knobs
     return out
 

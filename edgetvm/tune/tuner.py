@@ -438,28 +438,30 @@ class Tuner:
         cap = MAX_TILE_OPS * max(1, t.tile_ops(t.default_knobs))
         return [p for p in points if t.tile_ops(t.to_knobs(p)) <= cap]
 
+    def _program_mean(self, term) -> float:
+        """The mean over the selected programs of the share of their default latency that
+        ``term(state, rate)`` cycles are (None: the task does not count)."""
+        rate = self._cycles_per_byte()
+        totals = self.program_defaults(rate)
+        if not totals:
+            return 0.0
+        return sum(self.weight(s, totals) * c for s in self.states
+                   if (c := term(s, rate)) is not None) / len(totals)
+
     def gain(self) -> float:
         """What tuning gained so far: the mean over the selected programs of the share of
         their default latency saved (occurrences x (default - best cycles) of their
         measured tasks, over the program's default cycles)."""
-        rate = self._cycles_per_byte()
-        totals = self.program_defaults(rate)
-        if not totals:
-            return 0.0
-        saved = sum(self.weight(s, totals) * (s.default_cycles - s.best_cycles)
-                    for s in self.states if s.default_cycles and s.best_cycles)
-        return saved / len(totals)
+        return self._program_mean(
+            lambda s, _: s.default_cycles - s.best_cycles
+            if s.default_cycles and s.best_cycles else None)
 
     def unreached_share(self) -> float:
         """The mean over the selected programs of the share of their default latency in
         tasks without a baseline yet (estimated, :meth:`estimated_cycles`)."""
-        rate = self._cycles_per_byte()
-        totals = self.program_defaults(rate)
-        if not totals:
-            return 0.0
-        return sum(self.weight(s, totals) * self.estimated_cycles(s, rate)
-                   for s in self.states
-                   if s.default_cycles is None and not s.exhausted) / len(totals)
+        return self._program_mean(
+            lambda s, rate: self.estimated_cycles(s, rate)
+            if s.default_cycles is None and not s.exhausted else None)
 
     def run(self, trials: int | None = None, time_budget: float | None = None,
             stall: int | None = None) -> dict:
