@@ -588,17 +588,20 @@ def test_a_candidate_far_slower_than_the_best_is_stopped_with_a_lower_bound(mc):
 
 
 def test_the_shipped_smollm2_log_matches_the_export():
-    """tuning_logs/smollm2-135m was tuned on make_smollm2.sh's export: its context matches
-    that file and this edgetvm (skipped without the 540 MB export)."""
+    """tuning_logs/smollm2-135m was tuned on make_smollm2.sh's export, under `performance`
+    and under `balanced`: its contexts match that file and this edgetvm, and each profile
+    replays its own records (skipped without the 540 MB export)."""
     import os
     repo = pathlib.Path(__file__).resolve().parents[2]
     root = os.environ.get("EDGETVM_SMOLLM2", str(repo.parent / "smollm2"))
     model = os.path.join(root, "optimum_with_past", "model.onnx")
     if not os.path.exists(model):
         pytest.skip(f"no SmolLM2 export at {model}")
-    replay = Replay(str(repo / "tuning_logs" / "smollm2-135m"),
-                    log_context(model, load_spec("edge-npu-16mb"), "performance", None))
-    assert len(replay.best) >= 10
+    for profile in ("performance", "balanced"):      # one log, a context per profile
+        replay = Replay(str(repo / "tuning_logs" / "smollm2-135m"),
+                        log_context(model, load_spec("edge-npu-16mb"), profile, None))
+        assert len(replay.best) >= 10
+        assert {r.context.profile for r in replay.best.values()} == {profile}
 
 
 def test_a_time_budget_covers_the_baselines(tmp_path, mc):
