@@ -7,7 +7,7 @@ then kernels; ``--workers`` local emulator processes) into a fresh log, then mea
 every phase program of the build (linked, cross-kernel prefetch, full KV capacity:
 ``edgetvm.tune.cli.program_counters``) with the defaults, replaying the short log and
 replaying ``--long-log`` (default the shipped ``tuning_logs/llama_tiny_with_past``, a
-30-minute run; repeated, per program the best of the logs), and prints short / long per
+15-minute run; repeated, per program the best of the logs), and prints short / long per
 program. The target is met when every
 program is within 5 % of the long run's (a program faster than the long run counts as
 within).
@@ -18,7 +18,8 @@ validation reported for each program; the short-tuned decode at KV 1024 and pref
 A missed target is reported, not an error.
 
     python benchmarks/short_tune.py [--time-budget 300] [--workers 2] [--seed 0]
-        [--rounds N] [--model PATH] [--long-log DIR ...] [--quick] [--json PATH]
+        [--rounds N] [--cut-share F] [--model PATH] [--long-log DIR ...] [--quick]
+        [--json PATH]
 
 ``--quick``: 60 seconds of tuning. Run it on a quiet machine: the budget is wall time,
 so other jobs on the cores take trials from it.
@@ -36,7 +37,7 @@ from report import write_json
 from tuning import replayed
 
 from edgetvm.build.compiler import ModelCompiler
-from edgetvm.tune.cli import ROUNDS, program_counters, tune
+from edgetvm.tune.cli import CUT_SHARE, ROUNDS, program_counters, tune
 from edgetvm.target.spec import load_spec
 from edgetvm.tune.log import Replay, TuningLogError, log_context
 
@@ -55,6 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help=f"rounds of cut points then tiles (default {ROUNDS})")
+    ap.add_argument("--cut-share", type=float, default=CUT_SHARE,
+                    help=f"share of a round's budget for cut points (default {CUT_SHARE})")
     ap.add_argument("--model", default=str(BUNDLED))
     ap.add_argument("--long-log", action="append", default=None, metavar="DIR",
                     help="a long run's log; repeat it for several (per program the best "
@@ -68,7 +71,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="short_tune_") as d:
         rep = tune(model, time_budget=budget, workers=args.workers, seed=args.seed,
-                   rounds=args.rounds,
+                   rounds=args.rounds, cut_share=args.cut_share,
                    log_dir=d, progress=True)
         ctx = log_context(model, load_spec("edge-npu-16mb"), None, None)
         try:
@@ -126,7 +129,8 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, {"benchmark": "short_tune", "model": model,
                                "time_budget_s": budget, "workers": args.workers,
-                               "seed": args.seed, "long_logs": long_logs,
+                               "seed": args.seed, "rounds": args.rounds,
+                               "cut_share": args.cut_share, "long_logs": long_logs,
                                "measured": rep["measured"],
                                "tuning_seconds": round(rep["seconds"], 1),
                                "stages": rep["stages"], "rows": rows, "numerics": checks,
