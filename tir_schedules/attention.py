@@ -114,7 +114,6 @@ class _Attention:
         ``kv_heads`` times fewer, larger transfers, each paying one set-up)."""
         kb, lay, d = self.kb, self.lay, self.d
         p, rt, tt = lay.page_tokens, self.rt, self.tt
-        hs = self.hk if h is None else 1
         with kb.loop(self.ppt, "pg") as pg:
             for name, cache, tile, slots, ch in (("K_load", self.k_cache, self.kt,
                                                    self.slots_kv, self.k_channel),
@@ -134,7 +133,7 @@ class _Attention:
                     tok, dd = iv[-2], iv[-1]
                     src = cache[self.page_table[tok // p], hh, tok % p, dd]
                     return tile, (0, hh, tok, dd), src, [src], None
-                kb.op(name, "dma", ((hs,) if h is None else ()) + (rt, d), iters, body,
+                kb.op(name, "dma", ((self.hk,) if h is None else ()) + (rt, d), iters, body,
                       where=lambda lv, pg=pg: t * tt + pg * rt + lv[-2] < klen,
                       ann={"npu.slots": slots, "npu.channel": ch, **valid.ann,
                            **({"npu.valid_whole": 1} if valid.ann else {})})
