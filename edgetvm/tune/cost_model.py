@@ -15,6 +15,15 @@ One model serves every task: the target is ``log(cycles / default cycles)`` of t
 so tasks of very different sizes share what they teach (a larger tile that halves the
 weight re-reads helps every GEMV alike). The model only ranks which candidates to measure
 next; a chosen knob set is always a measured one.
+
+For a cluster with matmuls and for a run's cuts the trees are boosted from an analytic
+prior (the ``prior`` feature is each row's base margin): :func:`cluster_estimate`
+charges the knobs' MMAs, weight and activation DMAs and casts with the spec's
+per-command costs, :func:`partition_estimate` what the cuts send through DRAM and the
+kernels' launches; the prior is the ratio of that estimate to the defaults'. It ranks a
+task's first round before any measurement, and the trees learn what it misses (pipeline
+fill at stage boundaries, bus contention, power, a joined cluster's TCM pressure). Also per matmul, in stage order, the knobs themselves (AutoTVM's
+knob features): the best prefill MLPs differ from the defaults in one stage's tiles.
 """
 from __future__ import annotations
 
@@ -33,11 +42,108 @@ FEATURES = (
     "slots_in", "slots_out", "slots_w", "slots_c", "dma_split", "matmuls", "w4",
     "log_tile_q", "log_tile_kv", "kv_tiles", "slots_kv", "slots_s",
     "clusters", "log_cut_bytes", "max_cluster_ops", "max_cluster_w_frac", "mm_clusters",
+    "log_est_mma", "log_est_wdma", "log_est_act", "log_est_vec", "log_est_serial",
+    "log_est_overlap", "prior", "tile_m_frac",
+) + tuple(f"mm{i}_{k}" for i in range(4) for k in (
+    "log_tile_n", "log_tile_k", "tile_n_frac", "tile_k_frac", "slots_w", "slots_c")
 ) + tuple(f"kind_{k}" for k in KINDS)
+#: the column of :data:`FEATURES` that holds the analytic prior (the model's base margin)
+PRIOR = FEATURES.index("prior")
 
 
 def _l(x) -> float:
     return math.log2(1.0 + max(0.0, float(x)))
+
+
+def _splits(extent: int, tile: int) -> list:
+    """(tile size, count) of a loop of ``extent`` split by ``tile`` (the edge tile last)."""
+    tile = max(1, min(int(tile), extent))
+    full, rem = divmod(extent, tile)
+    return [(tile, full)] + ([(rem, 1)] if rem else [])
+
+
+def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
+    """Unit cycles of a fusion cluster's knob set from its shapes and the spec's
+    per-command costs, without lowering: the matrix unit (every MMA padded to whole
+    native tiles, plus its issue cycles; a W4A16 MMA bounded by its dequantisation rate),
+    the weight DMAs (bytes over the bus plus a set-up per transfer), the activations'
+    and outputs' DMAs, the accumulator casts on the vector unit; and two latencies from
+    them, each with the kernel's launch: ``serial`` (no unit overlaps another) and
+    ``overlap`` (each matmul's weight stream hidden under its MMAs where it has two
+    weight slots, the activations' under the compute where they have two slots). The
+    emulator decides; this only tells the cost model where to start (its prior)."""
+    rows = sh.get("rows", 1)
+    tm = knobs.get("tile_m", rows)
+    mt, nt, kt = spec.mma_tile
+    bw, setup, lanes = spec.dram_bytes_per_cycle, spec.dma_setup_cycles, spec.vector_lanes
+    mm = knobs.get("matmul", {})
+    slots_in = knobs.get("slots_in", 1)
+    si = min(slots_in.values(), default=1) if isinstance(slots_in, dict) else slots_in
+    so = knobs.get("slots_out", 1)
+    act_bytes = sum(sh["row_bytes"].values())
+    est = dict(mma=0.0, wdma=0.0, act=0.0, vec=0.0, serial=float(spec.launch_cycles),
+               overlap=float(spec.launch_cycles))
+    for m, cm in _splits(rows, tm):
+        act = (act_bytes * m / rows) / bw + setup * (len(sh["row_bytes"]) + 1)
+        compute = 0.0
+        serial = act
+        for stage, (n, k, group) in sorted(sh["matmuls"].items()):
+            kn = mm.get(stage, {})
+            kind = "w4a16" if group else "fp16"
+            c_mma = c_dma = c_vec = 0.0
+            for a, ca in _splits(n, kn.get("tile_n", n)):
+                for b, cb in _splits(k, kn.get("tile_k", k)):
+                    tiles = -(-m // mt) * -(-a // nt) * -(-b // kt)
+                    mac = -(-tiles * mt * nt * kt // spec.mma_macs_per_cycle[kind])
+                    if group:
+                        mac = max(mac, -(-a * b // spec.w4a16_dequant_weights_per_cycle))
+                        wb, dmas = a * b / 2 + a * (b // group) * 4, 3
+                    else:
+                        wb, dmas = a * b * 2, 1
+                    c_mma += ca * cb * (spec.mma_issue_cycles + mac)
+                    c_dma += ca * cb * (wb / bw + setup * dmas)
+                c_vec += ca * m * -(-a // lanes)          # the cast of each j0 tile
+            est["mma"] += cm * c_mma
+            est["wdma"] += cm * c_dma
+            est["vec"] += cm * c_vec
+            both = max(c_mma, c_dma) if kn.get("slots_w", 1) > 1 else c_mma + c_dma
+            compute += both + c_vec
+            serial += c_mma + c_dma + c_vec
+        est["act"] += cm * act
+        est["serial"] += cm * serial
+        est["overlap"] += cm * (max(compute, act) if min(si, so) > 1 else compute + act)
+    return est
+
+
+def partition_estimate(sh: dict, cuts, spec) -> float:
+    """Cycles of a run of ops cut at ``cuts``, from its shapes: every op's own work (a
+    matmul's MACs or its weights' bytes, whichever takes longer; another op's constants)
+    is the same under any cuts; each cut adds what crosses it through DRAM and back, and
+    each kernel its launch and the set-ups of its first load and last store. What the
+    cuts cost, not what they save inside a cluster (prefetch, a TCM too small for the
+    joined ops: the lowering rejects those)."""
+    bw = spec.dram_bytes_per_cycle
+    macs = sh.get("macs") or [0] * sh["ops"]
+    work = sum(max(c / bw, m / spec.mma_macs_per_cycle["fp16"])
+               for c, m in zip(sh["const_bytes"], macs))
+    moved = sum(2 * sh["cut_bytes"][p] for p in cuts)
+    kernels = len(set(cuts) - {0, sh["ops"]}) + 1
+    return work + moved / bw + kernels * (spec.launch_cycles + 2 * spec.dma_setup_cycles)
+
+
+def prior(task, knobs: dict, spec) -> float:
+    """The analytic prior of ``log(cycles / default cycles)``: the same ratio of
+    :func:`cluster_estimate`'s overlapped latency, or for a run's cuts of
+    :func:`partition_estimate` (0 where there is no estimate)."""
+    if task.kind == "partition":
+        base = partition_estimate(task.shape, task.default_knobs["cuts"], spec)
+        est = partition_estimate(task.shape, knobs["cuts"], spec)
+    elif task.kind == "cluster" and task.shape.get("matmuls"):
+        base = cluster_estimate(task.shape, task.default_knobs, spec)["overlap"]
+        est = cluster_estimate(task.shape, knobs, spec)["overlap"]
+    else:
+        return 0.0
+    return math.log(max(1.0, est) / max(1.0, base))
 
 
 def features(task, knobs: dict, spec) -> np.ndarray:
@@ -49,7 +155,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
     if task.kind == "cluster":
         tm = knobs.get("tile_m", rows)
         tiles = math.ceil(rows / tm)
-        f["log_tile_m"], f["row_tiles"] = _l(tm), tiles
+        f["log_tile_m"], f["row_tiles"], f["tile_m_frac"] = _l(tm), tiles, tm / rows
         if "tile_n" in knobs:
             cols = max(b for b in sh["row_bytes"].values()) // 2 // max(1, rows)
             f["tile_n_frac"] = knobs["tile_n"] / max(1, cols)
@@ -74,6 +180,11 @@ def features(task, knobs: dict, spec) -> np.ndarray:
             dma += nt * tiles * (3 if group else 1)
             macs += rows * n * k
             tcm += kn.get("slots_w", 1) * tn * tk * per_w + kn.get("slots_c", 1) * tm * tn * 4
+            if i < 4:       # the knobs themselves, per matmul in stage order
+                f.update({f"mm{i}_log_tile_n": _l(tn), f"mm{i}_log_tile_k": _l(tk),
+                          f"mm{i}_tile_n_frac": tn / n, f"mm{i}_tile_k_frac": tk / k,
+                          f"mm{i}_slots_w": kn.get("slots_w", 1),
+                          f"mm{i}_slots_c": kn.get("slots_c", 1)})
             sw += kn.get("slots_w", 1)
             sc += kn.get("slots_c", 1)
             tnf += tn / n
@@ -89,6 +200,10 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  mean_tn_frac=tnf / nm, mean_tk_frac=tkf / nm, slots_in=si, slots_out=so,
                  slots_w=sw / nm, slots_c=sc / nm, dma_split=knobs.get("dma_split", 0),
                  matmuls=len(sh["matmuls"]), w4=float(any(sh["quant"])))
+        if sh["matmuls"]:
+            est = cluster_estimate(sh, knobs, spec)
+            f.update({f"log_est_{k}": _l(v) for k, v in est.items()})
+            f["prior"] = prior(task, knobs, spec)
     elif task.kind == "partition":
         # a run's cuts: activation bytes the cuts send through DRAM and back, how many
         # kernels (start-ups, pipeline fills), the largest cluster's weights against the
@@ -102,7 +217,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  max_cluster_w_frac=max(w) / spec.tcm_bytes,
                  mm_clusters=sum(any(sh["matmul"][a:b]) for a, b in spans),
                  log_weight_bytes=_l(sum(w)), log_act_bytes=_l(cut),
-                 matmuls=sum(sh["matmul"]))
+                 matmuls=sum(sh["matmul"]), prior=prior(task, knobs, spec))
     elif task.kind == "embedding":
         tm = knobs["tile_m"]
         tiles = math.ceil(rows / tm)
@@ -136,7 +251,9 @@ def features(task, knobs: dict, spec) -> np.ndarray:
 
 class CostModel:
     """XGBoost regressor of ``log(cycles / task default cycles)``, refit as measurements
-    arrive; :meth:`rank` orders candidates by predicted latency (best first)."""
+    arrive, boosted from the analytic prior (the ``prior`` feature is each row's base
+    margin: the trees learn what the estimate misses); :meth:`rank` orders candidates by
+    predicted latency (best first), by the prior alone until the model has data."""
 
     def __init__(self, seed: int = 0, min_samples: int = 8):
         self.seed = seed
@@ -154,20 +271,26 @@ class CostModel:
     def trained(self) -> bool:
         return self._booster is not None
 
+    @staticmethod
+    def _matrix(X: np.ndarray, y=None):
+        import xgboost as xgb
+        return xgb.DMatrix(X, label=y, base_margin=X[:, PRIOR], feature_names=list(FEATURES))
+
     def fit(self) -> None:
         if len(self.y) < self.min_samples or len(self.y) == self._fitted_on:
             return
         import xgboost as xgb
-        d = xgb.DMatrix(np.stack(self.X), label=np.asarray(self.y, np.float32),
-                        feature_names=list(FEATURES))
+        d = self._matrix(np.stack(self.X), np.asarray(self.y, np.float32))
         params = dict(max_depth=6, eta=0.2, min_child_weight=1, subsample=1.0,
                       objective="reg:squarederror", nthread=1, seed=self.seed, verbosity=0)
         self._booster = xgb.train(params, d, num_boost_round=60)
         self._fitted_on = len(self.y)
 
     def predict(self, X: np.ndarray) -> np.ndarray:
-        import xgboost as xgb
-        return self._booster.predict(xgb.DMatrix(X, feature_names=list(FEATURES)))
+        """Predicted ``log(cycles / default cycles)`` per row (the prior while untrained)."""
+        if self._booster is None:
+            return X[:, PRIOR].astype(np.float64)
+        return self._booster.predict(self._matrix(X))
 
     def rank(self, X: np.ndarray) -> np.ndarray:
         """Indices of the rows of ``X`` by predicted latency, best first."""

@@ -477,12 +477,16 @@ def _run_shape(graph, run) -> dict:
         nbytes = int(np.prod(graph.tensors[t].shape)) * np.dtype(graph.tensors[t].dtype).itemsize
         for p in range(a + 1, b + 1):
             cut_bytes[p] += nbytes
-    const = []
+    const, macs = [], []
+    rows = graph.ops[run[0]].rows
     for i in run:
-        const.append(sum(int(np.prod(graph.tensors[v.tensor].shape)) *
-                         np.dtype(graph.tensors[v.tensor].dtype).itemsize
-                         for v in graph.ops[i].inputs.values()
-                         if graph.tensors[v.tensor].kind == "const"))
-    return dict(rows=graph.ops[run[0]].rows, ops=len(run), cut_bytes=cut_bytes,
-                const_bytes=const,
+        consts = [graph.tensors[v.tensor] for v in graph.ops[i].inputs.values()
+                  if graph.tensors[v.tensor].kind == "const"]
+        const.append(sum(int(np.prod(c.shape)) * np.dtype(c.dtype).itemsize
+                         for c in consts))
+        w = consts[0] if consts and graph.ops[i].stage.op.startswith("linear") else None
+        # a linear's weight is (N, K), or (N, K / 2) packed 4-bit
+        macs.append(0 if w is None else
+                    rows * int(w.shape[0]) * int(w.shape[1]) * (2 if w.dtype == "uint8" else 1))
+    return dict(rows=rows, ops=len(run), cut_bytes=cut_bytes, const_bytes=const, macs=macs,
                 matmul=[graph.ops[i].stage.op.startswith("linear") for i in run])

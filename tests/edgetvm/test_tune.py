@@ -18,7 +18,7 @@ from edgetvm.target.emulator import Emulator
 from edgetvm.target.spec import load_spec, spec_from_dict
 from edgetvm.tune.cli import select_keys, tune
 from edgetvm.tune.cli import main as tune_main
-from edgetvm.tune.cost_model import CostModel, features
+from edgetvm.tune.cost_model import PRIOR, CostModel, cluster_estimate, features, prior
 from edgetvm.tune.log import (OK, REJECTED, Replay, TuningLog, canonical_knobs, log_context,
                               workload_hash)
 from edgetvm.build.measure import measure_kernel
@@ -335,6 +335,43 @@ def test_the_cost_model_ranks_unseen_candidates(mc):
     rank = lambda v: np.argsort(np.argsort(v))        # noqa: E731
     rho = np.corrcoef(rank(pred), rank(truth))[0, 1]
     assert rho > 0.5, rho
+
+
+def test_the_analytic_prior_charges_the_emulators_mma_cycles_and_orders_candidates(mc):
+    """The estimate behind the cost model's prior: its matrix-unit cycles are exactly what
+    the emulator's matrix unit is busy for (padding to native tiles, edge tiles, issue
+    cycles, per row tile), and its latency ratio orders measured candidates of every
+    cluster task with matmuls (a wrong tile count or an inverted ratio would not). An
+    untrained model ranks by that prior."""
+    import random
+    tasks = [t for t in extract_tasks(mc, [("prefill", 16, 1), ("decode", 1, 4)])
+             if t.kind == "cluster" and t.shape["matmuls"]]
+    assert len(tasks) >= 3
+    emu = Emulator(mc.spec)
+    rng = random.Random(0)
+    rank = lambda v: np.argsort(np.argsort(v))        # noqa: E731
+    rhos = {}
+    for t in tasks:
+        priors, cycles = [], []
+        for p in [t.to_point(t.default_knobs)] + t.sample(rng, 12, set()):
+            kn = t.to_knobs(p)
+            try:
+                k = mc.kernels.kernel(t.graph, list(t.group), knobs=kn)
+            except CandidateRejected:
+                continue
+            c = measure_kernel(k, t.graph, mc.spec, mc.layout, emu)
+            assert cluster_estimate(t.shape, kn, mc.spec)["mma"] == \
+                c.busy_cycles["matrix"], (t.label, kn)
+            priors.append(prior(t, kn, mc.spec))
+            cycles.append(c.total_cycles)
+        assert priors[0] == 0.0                       # the defaults against themselves
+        assert len(cycles) >= 8, t.label
+        rhos[t.label] = np.corrcoef(rank(priors), rank(cycles))[0, 1]
+    # tiny GEMVs are mostly fixed costs (launch, set-ups), the larger clusters not
+    assert min(rhos.values()) > 0.4 and np.mean(list(rhos.values())) > 0.75, rhos
+    X = np.stack([features(tasks[0], t, mc.spec) for t in
+                  [tasks[0].to_knobs(p) for p in tasks[0].sample(rng, 10, set())]])
+    assert list(CostModel().rank(X)) == list(np.argsort(X[:, PRIOR], kind="stable"))
 
 
 def test_replay_builds_identical_bytes_with_the_logged_knobs_and_latency(tuned, tmp_path):
