@@ -33,7 +33,8 @@ Loop (MetaSchedule's shape: ``TaskScheduler`` -> ``SearchStrategy`` -> ``CostMod
    analytic prior (a cluster's estimated latency from its tiles and the spec's
    per-command costs, a run's from its cuts), and at random where there is none. For a
    run's cuts the pool first grows by the neighbours of the points the model ranks
-   highest (:data:`GUIDED_KINDS`);
+   highest (:data:`GUIDED_KINDS`), and every run has a round before any has a second
+   (:meth:`Tuner._pick`);
 4. each candidate is lowered (a TCM overflow is a *rejected* record, never measured),
    relocated and run on the emulator (an error is a *failed* record); the measured
    ones train the model. Nothing already in the log is tried again (resume).
@@ -398,10 +399,18 @@ class Tuner:
         live = [s for s in self.states if not s.exhausted]
         if not live:
             return None
-        walls = [s.wall_s / s.walls for s in self.states if s.walls]
-        typical = float(np.median(walls)) if walls else 1.0
         rate = self._cycles_per_byte()
         totals = self.program_defaults(rate)
+        # a task whose pool the model guides (a run's cuts) has one round before any task
+        # has a second: its prior ranks near-best cut sets first, so that round gains more
+        # than later ones elsewhere, however long its candidates take (a 512-row run's
+        # seconds per trial otherwise kept it waiting past a short budget)
+        first = [s for s in live if s.task.kind in GUIDED_KINDS and len(s.history) <= 1]
+        if first:
+            return max(first, key=lambda s: (self.weight(s, totals) *
+                                             self.estimated_cycles(s, rate), s.task.key))
+        walls = [s.wall_s / s.walls for s in self.states if s.walls]
+        typical = float(np.median(walls)) if walls else 1.0
 
         def grad(s):
             h = s.history

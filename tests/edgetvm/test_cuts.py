@@ -153,6 +153,32 @@ def test_the_cut_prior_orders_measured_cut_sets(mc):
     assert cycles[int(np.argmin(priors))] <= 1.05 * min(cycles)
 
 
+@pytest.mark.parametrize("rule", [True, False])
+def test_every_run_gets_its_first_round_before_any_run_a_second(tmp_path, mc, monkeypatch,
+                                                                 rule):
+    """A cut stage proposes a round (the prior's picks) for every run before a second
+    one for any, so a short budget reaches the slow 16-row runs too; without the rule
+    the gradient spends the same budget on fewer runs."""
+    from edgetvm.tune import tuner as tuner_mod
+    from edgetvm.tune.tuner import Tuner
+    if not rule:
+        monkeypatch.setattr(tuner_mod, "GUIDED_KINDS", ())
+    tasks = extract_partition_tasks(mc, [("decode", 1, 4), ("prefill", 16, 1)])
+    assert len(tasks) >= 3
+    batch = 4
+    ctx = log_context(LLAMA, mc.spec, None, None)
+    with TuningLog(str(tmp_path / "l")) as tlog:
+        Tuner(mc, tasks, tlog, ctx, progress=False, seed=0, batch=batch).run(
+            trials=len(tasks) * (1 + batch))
+    recs = TuningLog(str(tmp_path / "l")).records()
+    per = {t.workload: sum(r.workload == t.workload for r in recs) for t in tasks}
+    rounds = [n > 1 for n in per.values()]
+    if rule:
+        assert all(rounds), per
+    else:
+        assert not all(rounds), per
+
+
 def test_tuned_cuts_are_replayed_and_the_program_still_computes_the_model(tmp_path,
                                                                          monkeypatch):
     """Tune the cuts of the decode runs only, then build with the log: the programs use the
