@@ -123,24 +123,24 @@ def partition_estimate(sh: dict, cuts, spec) -> float:
     cuts cost, not what they save inside a cluster (prefetch, a TCM too small for the
     joined ops: the lowering rejects those)."""
     bw = spec.dram_bytes_per_cycle
-    macs = sh.get("macs") or [0] * sh["ops"]
     work = sum(max(c / bw, m / spec.mma_macs_per_cycle["fp16"])
-               for c, m in zip(sh["const_bytes"], macs))
+               for c, m in zip(sh["const_bytes"], sh["macs"]))
     moved = sum(2 * sh["cut_bytes"][p] for p in cuts)
     kernels = len(set(cuts) - {0, sh["ops"]}) + 1
     return work + moved / bw + kernels * (spec.launch_cycles + 2 * spec.dma_setup_cycles)
 
 
-def prior(task, knobs: dict, spec) -> float:
+def prior(task, knobs: dict, spec, est: dict | None = None) -> float:
     """The analytic prior of ``log(cycles / default cycles)``: the same ratio of
-    :func:`cluster_estimate`'s overlapped latency, or for a run's cuts of
-    :func:`partition_estimate` (0 where there is no estimate)."""
+    :func:`cluster_estimate`'s overlapped latency (``est``: that estimate of ``knobs``
+    when the caller has it), or for a run's cuts of :func:`partition_estimate` (0 where
+    there is no estimate)."""
     if task.kind == "partition":
         base = partition_estimate(task.shape, task.default_knobs["cuts"], spec)
         est = partition_estimate(task.shape, knobs["cuts"], spec)
     elif task.kind == "cluster" and task.shape.get("matmuls"):
         base = cluster_estimate(task.shape, task.default_knobs, spec)["overlap"]
-        est = cluster_estimate(task.shape, knobs, spec)["overlap"]
+        est = (est or cluster_estimate(task.shape, knobs, spec))["overlap"]
     else:
         return 0.0
     return math.log(max(1.0, est) / max(1.0, base))
@@ -203,7 +203,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
         if sh["matmuls"]:
             est = cluster_estimate(sh, knobs, spec)
             f.update({f"log_est_{k}": _l(v) for k, v in est.items()})
-            f["prior"] = prior(task, knobs, spec)
+            f["prior"] = prior(task, knobs, spec, est)
     elif task.kind == "partition":
         # a run's cuts: activation bytes the cuts send through DRAM and back, how many
         # kernels (start-ups, pipeline fills), the largest cluster's weights against the
