@@ -10,19 +10,37 @@ Both are one loop structure, written with explicit tile loops (:class:`TileKerne
           load K, V tile of head h, one DMA per page (page_table.<i> runtime offsets)
           for each group of query rows (decode: the G heads; prefill: one head's q tile):
             S  = Q @ K^T                           (matrix, fp32)
+          for each group of query rows:
             Sm = mask(S)                           (valid length / causal band)
             t == 0:  m = rowmax(Sm); P = exp((Sm - m) * scale); l = rowsum(P); O = P @ V
             t > 0 :  mt = rowmax(Sm); mn = max(m, mt); c = exp((m - mn) * scale); m = mn
-                     P = exp((Sm - mn) * scale); l = l * c + rowsum(P); O = O * c + P @ V
-        out = O / l (fp16), store
+                     O = O * c; P = exp((Sm - mn) * scale); l = l * c + rowsum(P);
+                     O += P @ V                    (the MMA accumulates into O)
+        out = O * (1 / l) (fp16), store
+
+Every group's QK^T is queued before the first softmax: each unit runs its commands in
+program order, so a QK^T queued behind the previous group's P @ V (which waits for that
+group's softmax) left the vector unit idle once per group. The vector unit is what
+bounds prefill (a score costs a mask, a max, a subtraction and an exp: 8 cycles per 64
+lanes, against 2 cycles of MMAs per 64 scores), so the template gives it nothing the
+matrix unit can do: prefill's row sums are ``P @ ones`` on the matrix unit (an (M, 1)
+MMA, padded to the array's width: as many cycles as P @ V; the ones are a template
+constant), the rescaled output is accumulated by the P @ V MMA itself rather than added
+by a vector pass, and the output is normalised by one multiply with ``1 / l`` (as
+``rsqrt(l)**2``: the vector unit has no reciprocal, and ``div`` costs four passes).
+SmolLM2 shapes at 512 rows, default knobs: 318 k -> 266 k cycles, the vector unit busy
+265 k -> 194 k (the best knobs of ``benchmarks/kernels.py``: 317,846 -> 265,000). Where
+the row sums run is a knob (``rowsum_mma``, below). Decode keeps its row sums on the
+vector unit (3 rows per head: a reduction costs 6 cycles a tile, an MMA 48), and is bound
+by its KV bytes anyway.
 
 Decode swaps the two outer loops: ``for kv tile t`` outside, ``for kv head h`` inside, so
 a tile's pages are loaded for all KV heads at once, one DMA per page for every head (a
 page holds its heads' blocks back to back: one contiguous read, landing in each head's
 rows of the tile). Decode is bound by those KV bytes, and each DMA pays a set-up on its
 channel: SmolLM2's 2 KB per-head page blocks cost the kernel 1.13x its bytes at KV 1024,
-6 KB transfers 1.03x (default knobs). Prefill is bound by the vector unit's softmax,
-not by its KV bytes, and keeps the per-head order.
+6 KB transfers 1.03x (default knobs). Prefill is bound by the vector unit's softmax
+(above), not by its KV bytes, and keeps the per-head order.
 
 The softmax scale is folded into the exponent (``exp(x * imm)``; the max of unscaled
 scores is the max of scaled ones since scale > 0). The first KV tile initialises the
@@ -40,8 +58,13 @@ tiles at all. The masks use ``npu.mask_len`` (keys >= valid_len) and ``npu.mask_
 (key > pos + query row).
 
 Knobs: decode ``tile_kv`` (tokens per KV tile: a multiple or divisor of the page),
-``slots_kv`` (1/2: double-buffered K/V tiles), ``slots_s`` (copies of the score tile:
-2 lets the next QK^T overlap this one's softmax); prefill adds ``tile_q``.
+``slots_kv`` (1/2: double-buffered K/V tiles), ``slots_s`` (copies of a KV tile's score
+tiles: 2 lets the next tile's QK^T write while this tile's are read; since the QK^T of a
+tile are queued behind the previous tile's P @ V, the measured times of 1 and 2 were equal
+at SmolLM2's shapes); prefill adds ``tile_q`` and
+``rowsum_mma`` (1: the row sums on the matrix unit; 0: on the vector unit, fewer cycles of
+the 900 mW matrix unit for more of the 250 mW vector unit: under a binding power budget
+the slower kernel may be the faster step).
 
 Layouts: decode ``q, out (Hq, D)``; prefill ``q, out (C, Hq, D)`` token-major (the
 projection's layout); inside, Q is re-laid out head-major in TCM by one vector copy per
@@ -58,7 +81,14 @@ from .common import TileKernel, apply_annotations, knob
 from .kv_cache import KVCacheLayout
 
 DECODE_KNOBS = ("tile_kv", "slots_kv", "slots_s")
-PREFILL_KNOBS = ("tile_q", "tile_kv", "slots_kv", "slots_s")
+PREFILL_KNOBS = ("tile_q", "tile_kv", "slots_kv", "slots_s", "rowsum_mma")
+
+#: the templates' revision, part of their kernels' structural keys: bumped when the program
+#: lowered for given knobs changes, so a tuning log's records of an earlier revision (whose
+#: cycles no longer hold) are not replayed. 2: QK^T of every head before the softmaxes,
+#: O rescaled in place and accumulated by the P @ V MMA, prefill row sums on the matrix
+#: unit, the output normalised by a reciprocal.
+REVISION = 2
 
 #: lower_primfunc keyword arguments of the attention kernels
 ATTENTION_LOWERING = {"runtime": ["page_table"], "state": ["K_cache", "V_cache"]}
@@ -94,6 +124,7 @@ class _Attention:
         self.rt = min(tile_kv, p)                 # rows of one page DMA
         self.ppt = max(1, tile_kv // p)           # page DMAs per tile
         self.slots_kv, self.slots_s = slots_kv, slots_s
+        self.ones = None                          # prefill: row sums on the matrix unit
         self.v_channel = channels - 1 if channels > 1 else None
         self.k_channel = 0 if channels > 1 else None
 
@@ -138,14 +169,14 @@ class _Attention:
                       ann={"npu.slots": slots, "npu.channel": ch, **valid.ann,
                            **({"npu.valid_whole": 1} if valid.ann else {})})
 
-    def step(self, h, t, rows, row_base, row_ok, ri, klen, valid, mask_ann):
-        """One KV tile for one group of query rows (``ri(row) -> leading indices``)."""
+    def step(self, h, t, rows, row_base, row_ok, ri, klen, valid, mask_ann, part):
+        """One KV tile for one group of query rows (``ri(row) -> leading indices``):
+        ``part`` "qk" emits its S = Q @ K^T, "softmax" the rest."""
         kb, d, tt, sc = self.kb, self.d, self.tt, self.scale
         c0 = t * tt
         S, Sm, S2, P = self.S, self.Sm, self.S2, self.P
-        m, mt, mn, dm, cr, l, l2, ls, O, Oc, PV = (self.m, self.mt, self.mn, self.dm, self.corr,
-                                                   self.l, self.l2, self.ls, self.O, self.Oc,
-                                                   self.PV)
+        m, mt, mn, dm, cr, l, ls, O = (self.m, self.mt, self.mn, self.dm, self.corr,
+                                       self.l, self.ls, self.O)
         va = valid.ann
         rdom = (0, self.rows_total)
 
@@ -177,22 +208,39 @@ class _Attention:
                 return dst, idx, value_fn(*loads), loads, None
             kb.op(name, op, extents, iters, body, where=where, ann=ann)
 
-        def reduce(name, op, dst, src, init, combine):
+        def reduce(name, op, dst, src, init, combine, at=ri):
             def body(iv):
                 i, j = iv[-2], iv[-1]
                 x = src[(*ri(i), j)]
-                return dst, ri(i), combine(dst[ri(i)], _f32(x)), [x], tirx.const(init, "float32")
+                return dst, at(i), combine(dst[at(i)], _f32(x)), [x], tirx.const(init, "float32")
             kb.op(name, op, (rows, tt), rred, body, where=rk_where, ann=va)
 
-        # S = Q @ K^T
-        def qk(iv):
-            i, j, k = iv[-3], iv[-2], iv[-1]
-            a, b = self.Q[(*ri(i), k)], self.kt[0, h, j, k]
-            return S, (*ri(i), j), S[(*ri(i), j)] + _f32(a) * _f32(b), [a, b], \
-                tirx.const(0.0, "float32")
-        kb.op("QK", "mma", (rows, tt, d),
-              lambda lv: rk(lv) + [("R", (0, d), lv[2])], qk, where=rk_where,
-              ann={"npu.slots": self.slots_s, **va})
+        def li(i):         # the running sum l is (..., rows, 1): an MMA's (M, 1) output
+            return (*ri(i), 0)
+
+        def l_update(name, op, fn, src):
+            """l = fn(l, src) in place, over the rows (one flat pass)."""
+            def body(iv):
+                i = iv[-1]
+                x, y = l[li(i)], src[ri(i)]
+                return l, li(i), fn(x, y), [x, y], None
+            kb.op(name, op, (rows,), r_only, body, where=lambda lv: row_ok(lv[0]), ann=va)
+
+        def rowsum(name):
+            """l (+)= rowsum(P): on the matrix unit (P @ a column of ones, accumulating
+            into l from the second tile) when the template has the ones, else a vector
+            reduction (added to l by a second pass)."""
+            if self.ones is not None:
+                self._rowsum(name, c0, rows, rk_where, ri, li, row_base, rdom, valid)
+            elif name == "rowsum0":
+                reduce(name, "vector:reduce_sum", l, P, 0.0, lambda a, b: a + b, at=li)
+            else:
+                reduce(name, "vector:reduce_sum", ls, P, 0.0, lambda a, b: a + b)
+                l_update("lacc", "vector:add", lambda x, y: x + y, ls)
+
+        if part == "qk":
+            self._qk(h, rows, ri, rk, rk_where, va)
+            return
         elementwise("mask", "vector:mask", Sm, lambda x: x, [S], (rows, tt), rk, rk_where,
                     ann={**va, **mask_ann})
         first = kb.when(t == 0)
@@ -203,8 +251,8 @@ class _Attention:
             elementwise("exp0", "vector:exp", P,
                         lambda x: tirx.Cast("float16", tirx.exp(x * tirx.const(sc, "float32"))),
                         [S2], (rows, tt), rk, rk_where)
-            reduce("rowsum0", "vector:reduce_sum", l, P, 0.0, lambda a, b: a + b)
-            self._pv("PV0", O, h, c0, rows, rk_where, ri, row_base, rdom, valid, local=False)
+            rowsum("rowsum0")
+            self._pv("PV0", O, h, c0, rows, rk_where, ri, row_base, rdom, valid)
         with kb.when(t > 0):
             reduce("rowmax", "vector:reduce_max", mt, Sm, _NEG_INF, tirx.Max)
             row1 = (rows,)
@@ -217,35 +265,62 @@ class _Attention:
                         lambda lv: row_ok(lv[0]))
             elementwise("mcopy", "vector:copy", m, lambda x: x, [mn], row1, r_only,
                         lambda lv: row_ok(lv[0]))
+            # O = O * c in place, then the MMA accumulates P @ V into it: no separate PV
+            # tile and no vector add of it (a pass over (rows, d) per KV tile). Scaled
+            # before P is computed, so the MMA can start as soon as P is ready.
+            elementwise("oscale", "vector:mul", O, lambda x, y: x * y, [O, cr], (rows, d),
+                        rd, rd_where)
             elementwise("sub", "vector:sub", S2, lambda x, y: x - y, [Sm, mn], (rows, tt),
                         rk, rk_where)
             elementwise("exp", "vector:exp", P,
                         lambda x: tirx.Cast("float16", tirx.exp(x * tirx.const(sc, "float32"))),
                         [S2], (rows, tt), rk, rk_where)
-            reduce("rowsum", "vector:reduce_sum", ls, P, 0.0, lambda a, b: a + b)
-            elementwise("lscale", "vector:mul", l2, lambda x, y: x * y, [l, cr], row1, r_only,
-                        lambda lv: row_ok(lv[0]))
-            elementwise("lacc", "vector:add", l, lambda x, y: x + y, [l2, ls], row1, r_only,
-                        lambda lv: row_ok(lv[0]))
-            elementwise("oscale", "vector:mul", Oc, lambda x, y: x * y, [O, cr], (rows, d),
-                        rd, rd_where)
-            self._pv("PV", PV, h, c0, rows, rk_where, ri, row_base, rdom, valid, local=True)
-            elementwise("oacc", "vector:add", O, lambda x, y: x + y, [Oc, PV], (rows, d),
-                        rd, rd_where)
+            l_update("lscale", "vector:mul", lambda x, y: x * y, cr)       # l = l * c
+            rowsum("rowsum")
+            self._pv("PV", O, h, c0, rows, rk_where, ri, row_base, rdom, valid)
 
-    def _pv(self, name, out, h, c0, rows, rk_where, ri, row_base, rdom, valid, local):
-        """out = P @ V over the tile; ``local`` binds the reduction to the tile (so the
-        MMA does not accumulate into ``out``: tiles after the first write a fresh PV)."""
+    def _qk(self, h, rows, ri, rk, rk_where, va):
+        """S = Q @ K^T for one group of query rows."""
+        kb, d, tt, S = self.kb, self.d, self.tt, self.S
+
+        def qk(iv):
+            i, j, k = iv[-3], iv[-2], iv[-1]
+            a, b = self.Q[(*ri(i), k)], self.kt[0, h, j, k]
+            return S, (*ri(i), j), S[(*ri(i), j)] + _f32(a) * _f32(b), [a, b], \
+                tirx.const(0.0, "float32")
+
+        kb.op("QK", "mma", (rows, tt, d),
+              lambda lv: rk(lv) + [("R", (0, d), lv[2])], qk, where=rk_where,
+              ann={"npu.slots": self.slots_s, **va})
+
+    def _rowsum(self, name, c0, rows, rk_where, ri, li, row_base, rdom, valid):
+        """l (+)= P @ ones over the tile: the row sums on the matrix unit, which the
+        softmax leaves idle (an (M, 1) MMA costs as much as P @ V: the array pads N to
+        its native width), instead of a two-cycle-per-pass vector reduction."""
+        def iters(lv):
+            return valid.iters(c0) + [("S", rdom, row_base + lv[0]), ("S", (0, 1), lv[1]),
+                                      ("R", (0, self.cap), c0 + lv[2])]
+
+        def body(iv):
+            i, n, j = iv[-3], iv[-2], iv[-1]
+            a, b = self.P[(*ri(i), j)], self.ones_t[j, n]
+            return self.l, li(i), self.l[li(i)] + _f32(a) * _f32(b), [a, b], \
+                tirx.const(0.0, "float32")
+        self.kb.op(name, "mma", (rows, 1, self.tt), iters, body,
+                   where=lambda lv: rk_where([lv[0], lv[2]]), ann=valid.ann)
+
+    def _pv(self, name, out, h, c0, rows, rk_where, ri, row_base, rdom, valid):
+        """out (+)= P @ V over the tile: the reduction runs over the global key index, so
+        the MMA initialises ``out`` on the first tile and accumulates into it after."""
         d, tt = self.d, self.tt
 
         def iters(lv):
-            red = ("R", (0, tt), lv[2]) if local else ("R", (0, self.cap), c0 + lv[2])
-            return valid.iters(c0) + [("S", rdom, row_base + lv[0]), ("S", (0, d), lv[1]), red]
+            return valid.iters(c0) + [("S", rdom, row_base + lv[0]), ("S", (0, d), lv[1]),
+                                      ("R", (0, self.cap), c0 + lv[2])]
 
         def body(iv):
             i, dd, j = iv[-3], iv[-2], iv[-1]
-            key = c0 + j if local else j
-            a, b = self.P[(*ri(i), key)], self.vt[0, h, key, dd]
+            a, b = self.P[(*ri(i), j)], self.vt[0, h, j, dd]
             return out, (*ri(i), dd), out[(*ri(i), dd)] + _f32(a) * _f32(b), [a, b], \
                 tirx.const(0.0, "float32")
         self.kb.op(name, "mma", (rows, d, tt), iters, body,
@@ -261,6 +336,35 @@ class _Attention:
                    lambda iv: (self.m_final, ri(iv[0]), self.m[ri(iv[0])],
                                [self.m[ri(iv[0])]], None), where=where)
 
+    def normalize(self, rows, row_iters, rd_iters, ri, out, where=None):
+        """``out = O / l`` as ``O * (1 / l)``: the reciprocal once per row (``rsqrt(l)``
+        squared: the vector unit has no reciprocal, and a (rows, d) ``div`` costs four
+        times a ``mul``), then one multiply pass. ``l >= 1`` (the row's max scores 1)."""
+        kb, r, r2 = self.kb, self.rinv, self.rinv2
+        kb.op("rsqrt_l", "vector:rsqrt", (rows,), row_iters,
+              lambda iv: (r, ri(iv[0]),
+                          tirx.rsqrt(self.l[(*ri(iv[0]), 0)] + tirx.const(0.0, "float32")),
+                          [self.l[(*ri(iv[0]), 0)]], None), where=where)
+        kb.op("inv_l", "vector:mul", (rows,), row_iters,
+              lambda iv: (r2, ri(iv[0]), r[ri(iv[0])] * r[ri(iv[0])], [r[ri(iv[0])]], None),
+              where=where)
+
+        def body(iv):
+            i, dd = iv[0], iv[1]
+            dst, idx = out(i, dd)
+            o, inv = self.O[(*ri(i), dd)], r2[ri(i)]
+            return dst, idx, tirx.Cast("float16", o * inv), [o, inv], None
+        kb.op("normalize", "vector:mul", (rows, self.d), rd_iters, body, where=where)
+
+    def declare_ones(self, cap):
+        """A column of ones (a template constant) in TCM, for the row sums' MMAs."""
+        kb = self.kb
+        self.ones_t = kb.tcm("ones_t", (cap, 1), "float16")
+        kb.op("ones_load", "dma", (cap, 1),
+              lambda lv: [("S", (0, cap), lv[0]), ("S", (0, 1), lv[1])],
+              lambda iv: (self.ones_t, (iv[0], iv[1]), self.ones[iv[0], iv[1]],
+                          [self.ones[iv[0], iv[1]]], None))
+
     def declare_state(self, lead, tt_cap):
         """Per-row running state and per-tile scratch, with leading dims ``lead``."""
         kb = self.kb
@@ -268,11 +372,10 @@ class _Attention:
         self.Sm = kb.tcm("S_masked", (*lead, tt_cap), "float32")
         self.S2 = kb.tcm("S_shifted", (*lead, tt_cap), "float32")
         self.P = kb.tcm("P", (*lead, tt_cap), "float16")
-        for name in ("m", "mt", "mn", "dm", "corr", "l", "l2", "ls", "m_final"):
+        for name in ("m", "mt", "mn", "dm", "corr", "ls", "m_final", "rinv", "rinv2"):
             setattr(self, name, kb.tcm(f"row_{name}", lead, "float32"))
+        self.l = kb.tcm("row_l", (*lead, 1), "float32")
         self.O = kb.tcm("O", (*lead, self.d), "float32")
-        self.Oc = kb.tcm("O_scaled", (*lead, self.d), "float32")
-        self.PV = kb.tcm("PV", (*lead, self.d), "float32")
 
 
 class _Validity:
@@ -323,22 +426,26 @@ def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, til
         # once (one DMA per page), then each head's query group takes its softmax step
         with kb.loop(n_tiles, "t") as t:
             a.load_kv(None, t, cap, valid)
-            with kb.loop(hk, "h") as h:
-                a.step(h, t, g, 0, lambda r: tirx.const(True, "bool"),
-                       lambda i, h=h: (h * g + i,), cap, valid, {"npu.mask_len": "valid_len"})
+            # every head's QK^T first, then the softmaxes: the matrix unit's queue is in
+            # program order, so a QK^T queued behind the previous head's P @ V (which waits
+            # for that head's softmax) would leave the vector unit idle at every head
+            for part in ("qk", "softmax"):
+                with kb.loop(hk, "h") as h:
+                    a.step(h, t, g, 0, lambda r: tirx.const(True, "bool"),
+                           lambda i, h=h: (h * g + i,), cap, valid,
+                           {"npu.mask_len": "valid_len"}, part)
         a.keep_running_max("m_final", hq, lambda lv: [("S", (0, hq), lv[0])], lambda i: (i,))
-        kb.op("normalize", "vector:div", (hq, d), qd,
-              lambda iv: (o16, (iv[0], iv[1]),
-                          tirx.Cast("float16", a.O[iv[0], iv[1]] / a.l[iv[0]]),
-                          [a.O[iv[0], iv[1]], a.l[iv[0]]], None))
+        a.normalize(hq, lambda lv: [("S", (0, hq), lv[0])], qd, lambda i: (i,),
+                    lambda i, dd: (o16, (i, dd)))
         kb.op("O_store", "dma", (hq, d), qd,
               lambda iv: (out, (iv[0], iv[1]), o16[iv[0], iv[1]], [o16[iv[0], iv[1]]], None))
     return kb
 
 
 def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_q: int,
-                      tile_kv: int, slots_kv: int = 2, slots_s: int = 1, chunked: bool = False,
-                      max_pages: int | None = None, scale=None, channels: int = 2):
+                      tile_kv: int, slots_kv: int = 2, slots_s: int = 1, rowsum_mma: int = 1,
+                      chunked: bool = False, max_pages: int | None = None, scale=None,
+                      channels: int = 2):
     """Causal prefill attention as a :class:`TileKernel`.
 
     ``q, out (tokens, Hq, D)``. Whole prompt (``chunked=False``): the keys are the first
@@ -362,12 +469,16 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
         if chunked:
             kb.scalar("pos")
             kb.scalar("valid_len")
+        if rowsum_mma:
+            a.ones = kb.const("ones", (cap, 1), "float16", 1.0)
         out = kb.buffer("out", (c, hq, d), "float16")
         kb.begin_body()
         q_raw = kb.tcm("Q_raw", (c, hq, d), "float16")
         a.Q = kb.tcm("Q", (hq, c, d), "float16")
         kv_len = cap if chunked else c
         a.declare_kv(cap)
+        if rowsum_mma:
+            a.declare_ones(cap)
         a.declare_state((hq, c), cap)
         o16 = kb.tcm("O16", (c, hq, d), "float16")
         a.rows_total = c
@@ -401,19 +512,18 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
                       where=lambda lv: row_ok(lv[0]))
             with kb.loop(n_kt, "t") as t:
                 a.load_kv(h, t, kv_len, valid)
-                with kb.loop(g, "e") as e:
-                    a.step(h, t, tq, q0, row_ok, lambda i, e=e: (h * g + e, i), kv_len, valid,
-                           mask_ann)
+                for part in ("qk", "softmax"):         # as in decode: QK^T of every head first
+                    with kb.loop(g, "e") as e:
+                        a.step(h, t, tq, q0, row_ok, lambda i, e=e: (h * g + e, i), kv_len,
+                               valid, mask_ann, part)
             with kb.loop(g, "e") as e:
                 a.keep_running_max("m_final", tq, lambda lv: [("S", (0, c), q0 + lv[0])],
                                    lambda i, e=e: (h * g + e, i), where=lambda lv: row_ok(lv[0]))
-                kb.op("normalize", "vector:div", (tq, d),
-                      lambda lv: [("S", (0, c), q0 + lv[0]), ("S", (0, d), lv[1])],
-                      lambda iv: (o16, (iv[0], h * g + e, iv[1]),
-                                  tirx.Cast("float16", a.O[h * g + e, iv[0], iv[1]] /
-                                            a.l[h * g + e, iv[0]]),
-                                  [a.O[h * g + e, iv[0], iv[1]], a.l[h * g + e, iv[0]]], None),
-                      where=lambda lv: row_ok(lv[0]))
+                a.normalize(tq, lambda lv: [("S", (0, c), q0 + lv[0])],
+                            lambda lv: [("S", (0, c), q0 + lv[0]), ("S", (0, d), lv[1])],
+                            lambda i, e=e: (h * g + e, i),
+                            lambda i, dd, e=e: (o16, (i, h * g + e, dd)),
+                            where=lambda lv: row_ok(lv[0]))
             kb.op("O_store", "dma", (tq, g, d), tgd,
                   lambda iv: (out, (iv[0], h * g + iv[1], iv[2]),
                               o16[iv[0], h * g + iv[1], iv[2]],
@@ -440,10 +550,12 @@ def schedule_decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: in
 
 def schedule_prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, spec, *,
                                tile_q: int, tile_kv: int, slots_kv: int = 2, slots_s: int = 1,
-                               chunked: bool = False, max_pages: int | None = None, scale=None):
+                               rowsum_mma: int = 1, chunked: bool = False,
+                               max_pages: int | None = None, scale=None):
     """The scheduled prefill attention kernel; lower with ``**ATTENTION_LOWERING``."""
     kb = prefill_attention(layout, q_heads, tokens, tile_q=tile_q, tile_kv=tile_kv,
-                           slots_kv=slots_kv, slots_s=slots_s, chunked=chunked,
-                           max_pages=max_pages, scale=scale, channels=spec.dma_channels)
+                           slots_kv=slots_kv, slots_s=slots_s, rowsum_mma=rowsum_mma,
+                           chunked=chunked, max_pages=max_pages, scale=scale,
+                           channels=spec.dma_channels)
     return _schedule(kb, (("tile_q", tile_q), ("tile_kv", tile_kv), ("slots_kv", slots_kv),
-                          ("slots_s", slots_s)))
+                          ("slots_s", slots_s), ("rowsum_mma", rowsum_mma)))

@@ -2,6 +2,8 @@
 annotations the NPU lowering reads (``npu.op``, ``npu.slots``, ``npu.channel``)."""
 from __future__ import annotations
 
+from edgetvm.target.lowering.lower import FILL_CONSTS
+
 TCM = "global.tcm"
 
 
@@ -69,6 +71,7 @@ class TileKernel:
         self._depth = 0
         self._outer: list = []      # iterated loop vars around the current point
         self._names: dict = {}
+        self._fills: dict = {}      # template constants: buffer name -> fill value
 
     # -- function frame ---------------------------------------------------------------
     def __enter__(self):
@@ -89,7 +92,10 @@ class TileKernel:
         self._ib.__exit__(*exc)
 
     def func(self):
-        return self._ib.get()
+        f = self._ib.get()
+        if self._fills:
+            f = f.with_attr(FILL_CONSTS, {k: float(v) for k, v in self._fills.items()})
+        return f
 
     def _push(self, frame):
         self._frames.append(frame)
@@ -101,6 +107,13 @@ class TileKernel:
         buf = self.T.arg(name, self.T.buffer(tuple(int(s) for s in shape), dtype))
         IRBuilder.name(name, buf)
         return buf
+
+    def const(self, name: str, shape, dtype: str, value: float):
+        """A constant DRAM parameter of the template itself, every element ``value`` (a
+        column of ones for an MMA that sums rows): lowering ships it in the program
+        (``npu.fill_consts``), so callers do not provide it."""
+        self._fills[name] = value
+        return self.buffer(name, shape, dtype)
 
     def scalar(self, name: str):
         from tvm.script.ir_builder import IRBuilder

@@ -18,6 +18,7 @@ Every kernel was lowered position-independent, over its own tensor names. Linkin
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -282,6 +283,15 @@ class Linker:
                 glob = kernel.state[name]
                 if glob not in self.builder.tensors:
                     self.builder.tensor(glob, t.shape, t.dtype, "state")
+                local[name] = (View.whole(glob, t.shape), glob, 0)
+            elif t.kind == "const" and t.data is not None:
+                # a template's own constant (a column of ones): one pack tensor per value,
+                # named by its bytes, however many kernels use it
+                glob = "kconst." + hashlib.sha256(
+                    repr((t.shape, t.dtype)).encode() + np.ascontiguousarray(t.data).tobytes()
+                ).hexdigest()[:16]
+                if glob not in self.builder.tensors:
+                    self.builder.tensor(glob, t.shape, t.dtype, "const", t.data)
                 local[name] = (View.whole(glob, t.shape), glob, 0)
             elif t.kind == "scratch":
                 glob = f"{kernel.name}.{name}"

@@ -41,12 +41,29 @@ def select_keys(keys: list, phases) -> list:
     return out
 
 
+def task_kinds(names) -> tuple | None:
+    """``names`` (``--kinds``) checked against the tuner's task kinds; ``attention`` means
+    both attention kinds. None: every kind."""
+    from .cost_model import KINDS
+    if not names:
+        return None
+    out: list = []
+    for n in names:
+        want = ("decode_attention", "prefill_attention") if n == "attention" else (n,)
+        for k in want:
+            if k not in KINDS:
+                raise EdgeTVMError(f"--kinds: no task kind {n!r}; the kinds are "
+                                   f"{', '.join(KINDS)} and attention (both attentions)")
+            out.append(k)
+    return tuple(dict.fromkeys(out))
+
+
 def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regions",
          buckets=None, chunk=None, quantize=None, max_tokens=None, phases=None,
          trials=None, time_budget=None, log_dir="tuning_logs", workers=1, rpc_tracker=None,
          rpc_key=None, timeout=300.0, seed=0, batch=8, use_model=True, cuts=True,
          cut_share=CUT_SHARE, rounds=ROUNDS, stall=STALL_TRIALS, validate=True,
-         progress=True) -> dict:
+         progress=True, kinds=None) -> dict:
     """Tune ``onnx_path``; returns the report (see :meth:`Tuner.report`).
 
     Cut points and tiles are searched in turns, in up to ``rounds`` rounds on one log and
@@ -64,7 +81,9 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     ``rpc_key`` (``workers``: how many of them at once; default every free one).
     ``validate``: link every selected phase program with the default (the strategy's
     partition, default knobs) and with the replayed log, and measure both
-    (``rep["phases"]``)."""
+    (``rep["phases"]``). ``kinds``: tune only tasks of these kinds (:func:`task_kinds`;
+    the cut points only if ``partition`` is one), e.g. the attention kernels after their
+    template changed."""
     import math
     import time
 
@@ -81,6 +100,9 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     if not 0 < cut_share < 1:
         raise EdgeTVMError(f"--cut-share: the share of the budget for cut points must be "
                            f"in (0, 1), not {cut_share}")
+    kinds = task_kinds(kinds)
+    if kinds is not None and "partition" not in kinds:
+        cuts = False
     asked = (chunk,) if chunk else tuple(sorted(set(buckets or DEFAULT_BUCKETS)))
     mc = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
                        strategy=strategy, max_rows=max(asked), profile=profile)
@@ -135,8 +157,13 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
                 mc.set_cuts(replay.cuts_for if replay else None)
             if exhausted(left()):
                 break
-            reps.append(stage(extract_tasks(mc, keys), "tiles" + suffix, left(),
-                              None if last else stall))
+            tasks = [t for t in extract_tasks(mc, keys) if kinds is None or t.kind in kinds]
+            if not tasks:
+                if kinds is not None and cuts:
+                    break                # only the cut points were asked for
+                raise EdgeTVMError(f"--kinds: the programs {[f'{p}_{r}x{g}p' for p, r, g in keys]}"
+                                   f" have no kernel of kind {', '.join(sorted(kinds))}")
+            reps.append(stage(tasks, "tiles" + suffix, left(), None if last else stall))
             if not reps[-1]["stalled"]:
                 break                    # the budget is spent, or every space exhausted
     rep = _merge(reps, time.time() - t_start)
@@ -253,6 +280,10 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", default=None, metavar="P1,P2",
                     help="tune only these programs: phase names (prefill, decode) or "
                          "program names (decode_1x4p)")
+    ap.add_argument("--kinds", default=None, metavar="K1,K2",
+                    help="tune only kernels of these kinds: cluster, prefill_attention, "
+                         "decode_attention, attention (both), embedding, partition (the cut "
+                         "points); default all")
     ap.add_argument("--log", default="tuning_logs", metavar="DIR",
                     help="tuning log directory (default tuning_logs/)")
     ap.add_argument("--workers", type=int, default=1, metavar="N",
@@ -309,7 +340,9 @@ def main(argv=None) -> int:
                    use_model=not args.no_model, cuts=not args.no_cuts,
                    cut_share=args.cut_share, rounds=args.rounds,
                    validate=not args.no_validate,
-                   progress=not args.quiet)
+                   progress=not args.quiet,
+                   kinds=[k.strip() for k in args.kinds.split(",") if k.strip()]
+                   if args.kinds else None)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -40,7 +40,7 @@ FEATURES = (
     "log_dma_count", "log_mean_dma", "log_tcm", "tcm_frac",
     "log_macs", "log_intensity", "log_w_tiles", "mean_tn_frac", "mean_tk_frac",
     "slots_in", "slots_out", "slots_w", "slots_c", "dma_split", "matmuls", "w4",
-    "log_tile_q", "log_tile_kv", "kv_tiles", "slots_kv", "slots_s",
+    "log_tile_q", "log_tile_kv", "kv_tiles", "slots_kv", "slots_s", "rowsum_mma",
     "clusters", "log_cut_bytes", "max_cluster_ops", "max_cluster_w_frac", "mm_clusters",
     "log_est_mma", "log_est_wdma", "log_est_act", "log_est_vec", "log_est_serial",
     "log_est_overlap", "prior", "tile_m_frac",
@@ -245,7 +245,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  log_mean_dma=_l(dram / max(1, dma)), log_tcm=_l(tcm),
                  tcm_frac=tcm / spec.tcm_bytes, log_macs=_l(macs),
                  log_intensity=_l(macs / max(1, dram)), slots_kv=knobs["slots_kv"],
-                 slots_s=knobs["slots_s"])
+                 slots_s=knobs["slots_s"], rowsum_mma=knobs.get("rowsum_mma", 0))
     return np.array([f[k] for k in FEATURES], dtype=np.float32)
 
 

@@ -268,6 +268,8 @@ def template_space(kind: str, graph, op, layout) -> tuple:
         space["tile_q"] = tile_candidates(graph.rows, (8, 16, 32, 64, 128))
     space.update(tile_kv=kv_tile_candidates(layout.page_tokens, cap), slots_kv=[1, 2],
                  slots_s=[1, 2])
+    if kind == "prefill_attention":
+        space["rowsum_mma"] = [0, 1]
     return space, dict(rows=graph.rows, capacity=cap, q_heads=op.attrs["q_heads"],
                        kv_heads=layout.kv_heads, head_dim=layout.head_dim)
 

@@ -238,7 +238,11 @@ class Interpreter:
         regions = list(block.writes) + list(block.reads)
         writes = [box(r) for r in block.writes]
         write_bufs = {w.buffer for w in writes}
-        reads = [box(r) for r in block.reads if r.source not in write_bufs]
+        kind, _, vop = str(kind_ann).partition(":")
+        # an output read back is the accumulator of an MMA or a reduction (not a source);
+        # an elementwise vector op may read its output in place (O = O * c)
+        in_place = kind == "vector" and block.init is None
+        reads = [box(r) for r in block.reads if in_place or r.source not in write_bufs]
         keys = [var_key(iv.var) for iv in block.iter_vars]
         attrs = {"iter_ext": tuple(env_max[k] - env_min[k] + 1 for k in keys),
                  "slots": int(_ann(loop.annotations, "npu.slots", 1)),
@@ -248,7 +252,6 @@ class Interpreter:
                     "npu.mask_pos"):
             if key in loop.annotations:
                 attrs[key[4:]] = _ann(loop.annotations, key)
-        kind, _, vop = str(kind_ann).partition(":")
         if kind == "mma":
             attrs["accumulate"] = self._accumulates(block, env_min)
             attrs["transpose_b"] = self._b_is_nk(block, reads, env_min)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 from tvm import tirx
 
 from edgetvm.errors import CandidateRejected
@@ -21,6 +22,10 @@ from ..isa import VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, Mma, TcmR
 from .interpret import Interpreter
 from .sync import insert_events
 from .tcm_alloc import locate, plan_tcm, row_major_strides
+
+#: PrimFunc attribute: parameter name -> the value every element of a template constant
+#: holds (a column of ones: ``TileKernel.const``); lowering ships it in the program
+FILL_CONSTS = "npu.fill_consts"
 
 
 def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None,
@@ -33,7 +38,8 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     func : the scheduled PrimFunc (``sch.mod["main"]``) with ``npu.op`` loop annotations.
     spec : the NPU spec.
     outputs : names of the PrimFunc's output buffers (default: the last parameter).
-    consts : name -> array for parameters that are weights (shipped in the program).
+    consts : name -> array for parameters that are weights (shipped in the program). A
+        template constant (the PrimFunc's ``npu.fill_consts``) is filled in here.
     runtime : names of buffer parameters whose elements are runtime parameters (token ids,
         page table): they become scalars the host sets per call, not DRAM tensors. Scalar
         PrimFunc parameters (valid length, position) are runtime parameters too.
@@ -41,7 +47,12 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     max_ops : reject (``CandidateRejected``) a schedule with more tile operations, as a
         tuner's measurement budget (a tiny tile on a large workload is never worth it).
     """
-    consts = consts or {}
+    consts = dict(consts or {})
+    fills = func.attrs.get(FILL_CONSTS) if func.attrs is not None else None
+    for buf in func.params:
+        if fills is not None and buf.name in fills and buf.name not in consts:
+            consts[buf.name] = np.full([int(s) for s in buf.shape], float(fills[buf.name]),
+                                       str(buf.dtype))
     interp = Interpreter(func, runtime, max_ops)
     ops = interp.run()
     if not ops:

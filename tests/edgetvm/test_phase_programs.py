@@ -20,6 +20,7 @@ from reference_loop import greedy_loop, onnxruntime_model, with_random_vectors
 
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.runner import LocalRunner
+from edgetvm.target.isa import DmaLoad
 from edgetvm.runtime.model import ModelInfo, ModelRunner
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
@@ -158,6 +159,23 @@ def test_fusion_changes_kernels_and_traffic_not_answers():
     assert kernels["regions"] > kernels["mega"]
     # a fused cluster keeps its intermediates in TCM: fewer activation bytes in DRAM
     assert progs["mega"].metadata["arena_bytes"] <= progs["op-library"].metadata["arena_bytes"]
+
+
+def test_a_template_constant_is_one_pack_tensor_for_every_kernel():
+    """The prefill attention's column of ones (its row sums run on the matrix unit) is a
+    template constant: every layer's kernel reads the same pack tensor, all ones, and no
+    caller binds it (the token-exact tests run the programs that read it)."""
+    mc = _compiler("llama", "regions")
+    prog = mc.program("prefill", 16, mc.phase_keys((16,))[0][2])
+    g = mc.graph("prefill", 16, mc.phase_keys((16,))[0][2])
+    attention = [k for k in prog.metadata["kernels"] if "attention" in str(k)]
+    assert len(attention) == g.layers >= 2
+    kconst = {n: t for n, t in prog.tensors.items() if n.startswith("kconst.")}
+    assert len(kconst) == 1
+    (t,) = kconst.values()
+    assert t.kind == "const" and t.data.dtype == np.float16 and np.all(t.data == 1)
+    assert sum(isinstance(c, DmaLoad) and c.src.tensor in kconst for c in prog.commands) \
+        == g.layers
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -13,7 +13,7 @@ from edgetvm.build.cli import build
 from edgetvm.build.cli import main as build_main
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.build.graph import BuildError
-from edgetvm.errors import CandidateRejected
+from edgetvm.errors import CandidateRejected, EdgeTVMError
 from edgetvm.target.emulator import Emulator
 from edgetvm.target.spec import load_spec, spec_from_dict
 from edgetvm.tune.cli import select_keys, tune
@@ -479,6 +479,27 @@ def test_parallel_workers_measure_what_one_process_measures(tmp_path, mc):
     for r in recs[:4] + recs[-8:]:
         assert measure_candidate(mc1, tasks[r.workload], r.knobs, emu).cycles == r.cycles
     assert REJECTED not in {r.status for r in recs}
+
+
+def test_kinds_tunes_only_the_kernels_asked_for(tmp_path, capsys):
+    """``--kinds attention`` (after an attention template change): every trial is an
+    attention kernel's, no cut point is searched, and a kind the tuner does not know, or
+    one the programs lack, is refused by name."""
+    from edgetvm.tune.cli import task_kinds
+    d = str(tmp_path / "log")
+    rep = tune(LLAMA, buckets=(8,), max_tokens=16, phases=["decode_1x1p", "prefill_8x1p"],
+               trials=12, log_dir=d, progress=False, seed=2, kinds=["attention"],
+               validate=False)
+    recs = TuningLog(d).records()
+    assert rep["measured"] == len(recs) >= 4          # the tiny spaces may run out first
+    assert {r.kind for r in recs} == {"decode_attention", "prefill_attention"}
+    assert task_kinds(["attention", "cluster", "decode_attention"]) == \
+        ("decode_attention", "prefill_attention", "cluster")
+    with pytest.raises(EdgeTVMError, match="no task kind 'mlp'"):
+        task_kinds(["mlp"])
+    assert tune_main([LLAMA, "--trials", "5", "--kinds", "prefill_attention", "--phases",
+                      "decode", "--buckets", "8", "--max-tokens", "16", "--log", d, "-q"]) == 1
+    assert "no kernel of kind prefill_attention" in capsys.readouterr().err
 
 
 def test_a_measurement_past_the_timeout_is_a_failure_and_the_pool_recovers(mc):

@@ -9,7 +9,7 @@ import pytest
 
 from edgetvm.errors import InvalidProgramError
 from edgetvm.target.emulator import Emulator
-from edgetvm.target.isa import DmaLoad, Mma
+from edgetvm.target.isa import DmaLoad, Mma, Vector
 from edgetvm.target.lowering import lower_primfunc
 from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules.attention import (ATTENTION_LOWERING, schedule_decode_attention,
@@ -140,17 +140,18 @@ def test_append_then_decode_shares_the_cache_state(spec):
 
 
 # -- prefill ------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape,tokens,tile_q,tile_kv", [
-    (SMOLLM2, 100, 32, 32),                # non-divisible length
-    (SMOLLM2, 48, 48, 48),                 # tiles = the whole length
-    (TINY_LLAMA, 77, 32, 16),
+@pytest.mark.parametrize("shape,tokens,tile_q,tile_kv,rowsum_mma", [
+    (SMOLLM2, 100, 32, 32, 1),             # non-divisible length
+    (SMOLLM2, 100, 32, 32, 0),             # the row sums on the vector unit
+    (SMOLLM2, 48, 48, 48, 1),              # tiles = the whole length
+    (TINY_LLAMA, 77, 32, 16, 1),
 ])
-def test_prefill_attention_causal(spec, shape, tokens, tile_q, tile_kv):
+def test_prefill_attention_causal(spec, shape, tokens, tile_q, tile_kv, rowsum_mma):
     hq, hk, d = shape
     max_pages = -(-tokens // P)
     lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
     sch = schedule_prefill_attention(lay, hq, tokens, spec, tile_q=tile_q, tile_kv=tile_kv,
-                                     slots_kv=2, slots_s=2)
+                                     slots_kv=2, slots_s=2, rowsum_mma=rowsum_mma)
     prog = lower_primfunc(sch.mod["main"], spec, "prefill_attention", outputs=["out"],
                           **ATTENTION_LOWERING)
     k, v, pages = _cache(lay)
@@ -165,17 +166,22 @@ def test_prefill_attention_causal(spec, shape, tokens, tile_q, tile_kv):
     n_q = -(-tokens // tile_q)
     emitted = sum(-(-min(tokens, (i + 1) * tile_q) // tile_kv) for i in range(n_q))
     assert sum(isinstance(c, Mma) and c.transpose_b for c in prog.commands) == emitted * hq
+    # the row sums: an (M, 1) MMA per tile and head, or a vector reduction
+    sums = sum(isinstance(c, Mma) and c.b.shape[1] == 1 for c in prog.commands)
+    reductions = sum(isinstance(c, Vector) and c.op == "reduce_sum" for c in prog.commands)
+    assert (sums, reductions) == ((emitted * hq, 0) if rowsum_mma else (0, emitted * hq))
 
 
-@pytest.mark.parametrize("shape,chunk,max_pages,positions", [
-    (SMOLLM2, 32, 8, (96, 5)),
-    (TINY_LLAMA, 32, 6, (64, 17)),
+@pytest.mark.parametrize("shape,chunk,max_pages,positions,rowsum_mma", [
+    (SMOLLM2, 32, 8, (96, 5), 1),
+    (SMOLLM2, 32, 8, (96, 5), 0),
+    (TINY_LLAMA, 32, 6, (64, 17), 1),
 ])
-def test_chunked_prefill_attention(spec, shape, chunk, max_pages, positions):
+def test_chunked_prefill_attention(spec, shape, chunk, max_pages, positions, rowsum_mma):
     hq, hk, d = shape
     lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
     sch = schedule_prefill_attention(lay, hq, chunk, spec, tile_q=16, tile_kv=32,
-                                     chunked=True, max_pages=max_pages)
+                                     chunked=True, max_pages=max_pages, rowsum_mma=rowsum_mma)
     prog = lower_primfunc(sch.mod["main"], spec, "chunked_prefill", outputs=["out"],
                           **ATTENTION_LOWERING)
     k, v, pages = _cache(lay)
