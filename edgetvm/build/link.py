@@ -284,9 +284,10 @@ class Linker:
                 if glob not in self.builder.tensors:
                     self.builder.tensor(glob, t.shape, t.dtype, "state")
                 local[name] = (View.whole(glob, t.shape), glob, 0)
-            elif t.kind == "const" and t.data is not None:
+            elif t.kind == "const" and name in prog.metadata.get("template_consts", ()):
                 # a template's own constant (a column of ones): one pack tensor per value,
-                # named by its bytes, however many kernels use it
+                # named by its bytes, however many kernels use it (any other constant is
+                # a weight the kernel must be bound to: unbound, it is refused below)
                 glob = "kconst." + hashlib.sha256(
                     repr((t.shape, t.dtype)).encode() + np.ascontiguousarray(t.data).tobytes()
                 ).hexdigest()[:16]

@@ -82,8 +82,9 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     ``validate``: link every selected phase program with the default (the strategy's
     partition, default knobs) and with the replayed log, and measure both
     (``rep["phases"]``). ``kinds``: tune only tasks of these kinds (:func:`task_kinds`;
-    the cut points only if ``partition`` is one), e.g. the attention kernels after their
-    template changed."""
+    the cut points only if ``partition`` is one; otherwise the kernels are those of the
+    cut points the log chose, as a build replays them), e.g. the attention kernels after
+    their template changed."""
     import math
     import time
 
@@ -101,8 +102,9 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
         raise EdgeTVMError(f"--cut-share: the share of the budget for cut points must be "
                            f"in (0, 1), not {cut_share}")
     kinds = task_kinds(kinds)
+    replay_cuts = False          # kernels only: on the cut points the log chose, not searched
     if kinds is not None and "partition" not in kinds:
-        cuts = False
+        replay_cuts, cuts = cuts, False
     asked = (chunk,) if chunk else tuple(sorted(set(buckets or DEFAULT_BUCKETS)))
     mc = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
                        strategy=strategy, max_rows=max(asked), profile=profile)
@@ -153,6 +155,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
                         todo["time_budget"] * cut_share)
                     reps.append(stage(ptasks, "cuts" + suffix, budget,
                                       None if n == 1 else stall))
+            if cuts or replay_cuts:      # the kernels of the best cut points logged
                 replay = _replay(log_dir, ctx)
                 mc.set_cuts(replay.cuts_for if replay else None)
             if exhausted(left()):

@@ -39,7 +39,8 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     spec : the NPU spec.
     outputs : names of the PrimFunc's output buffers (default: the last parameter).
     consts : name -> array for parameters that are weights (shipped in the program). A
-        template constant (the PrimFunc's ``npu.fill_consts``) is filled in here.
+        template constant (the PrimFunc's ``npu.fill_consts``) is filled in here and named
+        in the program's ``metadata["template_consts"]`` (the linker packs those itself).
     runtime : names of buffer parameters whose elements are runtime parameters (token ids,
         page table): they become scalars the host sets per call, not DRAM tensors. Scalar
         PrimFunc parameters (valid length, position) are runtime parameters too.
@@ -49,10 +50,12 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     """
     consts = dict(consts or {})
     fills = func.attrs.get(FILL_CONSTS) if func.attrs is not None else None
+    template_consts = []
     for buf in func.params:
         if fills is not None and buf.name in fills and buf.name not in consts:
             consts[buf.name] = np.full([int(s) for s in buf.shape], float(fills[buf.name]),
                                        str(buf.dtype))
+            template_consts.append(buf.name)
     interp = Interpreter(func, runtime, max_ops)
     ops = interp.run()
     if not ops:
@@ -88,7 +91,7 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
             b.emit(c)
     for p in interp.params:
         b.param(p)
-    return b.build(tcm_bytes=tcm_bytes, tile_ops=len(ops),
+    return b.build(tcm_bytes=tcm_bytes, tile_ops=len(ops), template_consts=template_consts,
                    tcm_buffers={t.name: {"offset": t.offset, "footprint": list(t.footprint),
                                          "slots": t.slots} for t in tcm.values()})
 

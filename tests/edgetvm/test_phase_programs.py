@@ -178,6 +178,23 @@ def test_a_template_constant_is_one_pack_tensor_for_every_kernel():
         == g.layers
 
 
+def test_a_kernel_constant_left_unbound_is_refused_not_packed():
+    """Only a template's own constants are packed by the linker; a weight the kernel was
+    not bound to (here the embedding table) is a build error, never zeros shipped."""
+    import dataclasses
+
+    from edgetvm.build.graph import BuildError
+    from edgetvm.build.measure import kernel_program
+    mc = _compiler("llama", "regions")
+    g = mc.graph("decode", 1, 1)
+    grp = next(grp for grp in mc.partition(g) if g.ops[grp[0]].kind == "embedding")
+    k = mc.kernels.kernel(g, grp)
+    kernel_program(k, g, mc.spec)                           # bound: it links
+    unbound = dataclasses.replace(k, bindings={n: v for n, v in k.bindings.items() if n != "E"})
+    with pytest.raises(BuildError, match="E .const. is not bound"):
+        kernel_program(unbound, g, mc.spec)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_edgellm_partition_token_exact(family):
     _check(family, "edgellm")

@@ -502,6 +502,28 @@ def test_kinds_tunes_only_the_kernels_asked_for(tmp_path, capsys):
     assert "no kernel of kind prefill_attention" in capsys.readouterr().err
 
 
+def test_kinds_without_partition_tunes_the_kernels_of_the_logged_cuts(tuned, tmp_path):
+    """``--kinds cluster`` searches no cut point but tunes the clusters of the cut points
+    the log chose (those a build replays), not the strategy's default clusters."""
+    import shutil
+    src, _ = tuned
+    d = str(tmp_path / "log")
+    shutil.copytree(src, d)
+    before = len(TuningLog(d).records())
+    replayed = Replay(d, log_context(LLAMA, load_spec("edge-npu-16mb"), None, None))
+    logged = ModelCompiler(LLAMA, max_tokens=64, max_rows=16, cuts_for=replayed.cuts_for)
+    default = ModelCompiler(LLAMA, max_tokens=64, max_rows=16)
+    keys = default.phase_keys(SMALL["buckets"])
+    want = {t.workload for t in extract_tasks(logged, keys) if t.kind == "cluster"}
+    others = {t.workload for t in extract_tasks(default, keys) if t.kind == "cluster"} - want
+    assert others               # the log's cuts made other clusters: the test can tell
+    tune(LLAMA, **SMALL, trials=10, log_dir=d, progress=False, seed=4, kinds=["cluster"],
+         validate=False)
+    new = TuningLog(d).records()[before:]
+    assert len(new) == 10 and {r.kind for r in new} == {"cluster"}
+    assert {r.workload for r in new} <= want
+
+
 def test_a_measurement_past_the_timeout_is_a_failure_and_the_pool_recovers(mc):
     from edgetvm.tune.measure import ForkMeasurer
     tasks = extract_tasks(mc, [("decode", 1, 1)])

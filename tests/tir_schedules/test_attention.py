@@ -3,6 +3,7 @@ compared with numpy (fp16 data, fp32 softmax)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -51,7 +52,8 @@ def _attention_ref(q, k, v, pos, group):
 
 
 def _close(got, ref):
-    np.testing.assert_allclose(got.astype(np.float32), ref, rtol=1e-2, atol=1e-2)
+    # fp16 output of fp32 softmax: measured errors <= 1e-3
+    np.testing.assert_allclose(got.astype(np.float32), ref, rtol=3e-3, atol=3e-3)
 
 
 # -- KV append ----------------------------------------------------------------------------
@@ -167,9 +169,24 @@ def test_prefill_attention_causal(spec, shape, tokens, tile_q, tile_kv, rowsum_m
     emitted = sum(-(-min(tokens, (i + 1) * tile_q) // tile_kv) for i in range(n_q))
     assert sum(isinstance(c, Mma) and c.transpose_b for c in prog.commands) == emitted * hq
     # the row sums: an (M, 1) MMA per tile and head, or a vector reduction
+    _check_row_sums(prog, emitted * hq, rowsum_mma)
+    # every head's QK^T of a KV tile is queued before the first softmax (the matrix unit's
+    # queue is in program order); then per head its row sums and P @ V
+    g = hq // hk
+    seq = "".join("Q" if c.transpose_b else "r" if c.b.shape[1] == 1 else "V"
+                  for c in prog.commands if isinstance(c, Mma))
+    assert re.fullmatch(f"(Q{{{g}}}({'rV' if rowsum_mma else 'V'}){{{g}}})+", seq), seq[:40]
+    # the output is rescaled in place and accumulated by the MMA, normalised by a multiply:
+    # no vector add or div over (rows, head_dim)
+    assert not any(isinstance(c, Vector) and c.op in ("add", "div") and c.dst.shape[1] == d
+                   for c in prog.commands)
+
+
+def _check_row_sums(prog, tiles, rowsum_mma):
+    """An (M, 1) row-sum MMA per KV tile and query head, or a vector reduction."""
     sums = sum(isinstance(c, Mma) and c.b.shape[1] == 1 for c in prog.commands)
     reductions = sum(isinstance(c, Vector) and c.op == "reduce_sum" for c in prog.commands)
-    assert (sums, reductions) == ((emitted * hq, 0) if rowsum_mma else (0, emitted * hq))
+    assert (sums, reductions) == ((tiles, 0) if rowsum_mma else (0, tiles))
 
 
 @pytest.mark.parametrize("shape,chunk,max_pages,positions,rowsum_mma", [
@@ -198,6 +215,8 @@ def test_chunked_prefill_attention(spec, shape, chunk, max_pages, positions, row
         # KV tiles wholly past a q tile's diagonal (the first q tile: pos + 16) are skipped
         past_diagonal = any(t * 32 >= pos + 16 for t in range(max_pages * P // 32))
         assert (r.counters.commands_skipped > 0) == past_diagonal
+    # every (q tile, KV tile) is in the static program, predicated at run time
+    _check_row_sums(prog, hq * (chunk // 16) * (max_pages * P // 32), rowsum_mma)
 
 
 # -- the race check -----------------------------------------------------------------------
