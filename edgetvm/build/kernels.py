@@ -22,8 +22,7 @@ from edgetvm.npu_regions import default_knobs
 from edgetvm.target.lowering import lower_primfunc
 from edgetvm.tir_schedules.attention import ATTENTION_LOWERING
 from edgetvm.tir_schedules.attention import REVISION as ATTENTION_REVISION
-from edgetvm.tir_schedules.attention import (schedule_decode_attention,
-                                             schedule_prefill_attention)
+from edgetvm.tir_schedules.attention import schedule_decode_attention, schedule_prefill_attention
 from edgetvm.tir_schedules.embedding import schedule_embedding
 from edgetvm.tir_schedules.fused import (FusionCluster, Stage, knob_names, lower_cluster,
                                          schedule_cluster)

@@ -164,8 +164,9 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
             if not tasks:
                 if kinds is not None and cuts:
                     break                # only the cut points were asked for
-                raise EdgeTVMError(f"--kinds: the programs {[f'{p}_{r}x{g}p' for p, r, g in keys]}"
-                                   f" have no kernel of kind {', '.join(sorted(kinds))}")
+                names = ", ".join(f"{p}_{r}x{g}p" for p, r, g in keys)
+                raise EdgeTVMError(f"--kinds: the programs {names} have no kernel of kind "
+                                   f"{', '.join(sorted(kinds))}")
             reps.append(stage(tasks, "tiles" + suffix, left(), None if last else stall))
             if not reps[-1]["stalled"]:
                 break                    # the budget is spent, or every space exhausted

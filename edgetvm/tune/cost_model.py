@@ -245,7 +245,8 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  log_mean_dma=_l(dram / max(1, dma)), log_tcm=_l(tcm),
                  tcm_frac=tcm / spec.tcm_bytes, log_macs=_l(macs),
                  log_intensity=_l(macs / max(1, dram)), slots_kv=knobs["slots_kv"],
-                 slots_s=knobs["slots_s"], rowsum_mma=knobs.get("rowsum_mma", 1) if "tile_q" in knobs else 0)
+                 slots_s=knobs["slots_s"],
+                 rowsum_mma=knobs.get("rowsum_mma", 1) if "tile_q" in knobs else 0)
     return np.array([f[k] for k in FEATURES], dtype=np.float32)
 
 
