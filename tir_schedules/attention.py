@@ -231,12 +231,17 @@ class _Attention:
             into l from the second tile) when the template has the ones, else a vector
             reduction (added to l by a second pass)."""
             if self.ones is not None:
-                self._rowsum(name, c0, rows, rk_where, ri, li, row_base, rdom, valid)
+                self._p_mma(name, l, lambda i, n: li(i), lambda j, n: self.ones_t[j, n], 1,
+                            c0, rows, rk_where, ri, row_base, rdom, valid)
             elif name == "rowsum0":
                 reduce(name, "vector:reduce_sum", l, P, 0.0, lambda a, b: a + b, at=li)
             else:
                 reduce(name, "vector:reduce_sum", ls, P, 0.0, lambda a, b: a + b)
                 l_update("lacc", "vector:add", lambda x, y: x + y, ls)
+
+        def pv(name):      # O (+)= P @ V
+            self._p_mma(name, O, lambda i, dd: (*ri(i), dd), lambda j, dd: self.vt[0, h, j, dd],
+                        d, c0, rows, rk_where, ri, row_base, rdom, valid)
 
         if part == "qk":
             self._qk(h, rows, ri, rk, rk_where, va)
@@ -252,7 +257,7 @@ class _Attention:
                         lambda x: tirx.Cast("float16", tirx.exp(x * tirx.const(sc, "float32"))),
                         [S2], (rows, tt), rk, rk_where)
             rowsum("rowsum0")
-            self._pv("PV0", O, h, c0, rows, rk_where, ri, row_base, rdom, valid)
+            pv("PV0")
         with kb.when(t > 0):
             reduce("rowmax", "vector:reduce_max", mt, Sm, _NEG_INF, tirx.Max)
             row1 = (rows,)
@@ -277,7 +282,7 @@ class _Attention:
                         [S2], (rows, tt), rk, rk_where)
             l_update("lscale", "vector:mul", lambda x, y: x * y, cr)       # l = l * c
             rowsum("rowsum")
-            self._pv("PV", O, h, c0, rows, rk_where, ri, row_base, rdom, valid)
+            pv("PV")
 
     def _qk(self, h, rows, ri, rk, rk_where, va):
         """S = Q @ K^T for one group of query rows."""
@@ -293,37 +298,23 @@ class _Attention:
               lambda lv: rk(lv) + [("R", (0, d), lv[2])], qk, where=rk_where,
               ann={"npu.slots": self.slots_s, **va})
 
-    def _rowsum(self, name, c0, rows, rk_where, ri, li, row_base, rdom, valid):
-        """l (+)= P @ ones over the tile: the row sums on the matrix unit, which the
-        softmax leaves idle (an (M, 1) MMA costs as much as P @ V: the array pads N to
-        its native width), instead of a two-cycle-per-pass vector reduction."""
+    def _p_mma(self, name, out, at, b_of, cols, c0, rows, rk_where, ri, row_base, rdom,
+               valid):
+        """``out[at(row)] (+)= P @ B`` over the tile, ``B[key, col] = b_of(key, col)``
+        (``cols`` columns): the reduction runs over the global key index, so the MMA
+        initialises ``out`` on the first tile and accumulates into it after. P @ V, and
+        prefill's row sums as P @ ones (an (M, 1) MMA costs as much as P @ V: the array
+        pads N to its native width; the matrix unit is what the softmax leaves idle)."""
         def iters(lv):
-            return valid.iters(c0) + [("S", rdom, row_base + lv[0]), ("S", (0, 1), lv[1]),
+            return valid.iters(c0) + [("S", rdom, row_base + lv[0]), ("S", (0, cols), lv[1]),
                                       ("R", (0, self.cap), c0 + lv[2])]
 
         def body(iv):
             i, n, j = iv[-3], iv[-2], iv[-1]
-            a, b = self.P[(*ri(i), j)], self.ones_t[j, n]
-            return self.l, li(i), self.l[li(i)] + _f32(a) * _f32(b), [a, b], \
+            a, b = self.P[(*ri(i), j)], b_of(j, n)
+            return out, at(i, n), out[at(i, n)] + _f32(a) * _f32(b), [a, b], \
                 tirx.const(0.0, "float32")
-        self.kb.op(name, "mma", (rows, 1, self.tt), iters, body,
-                   where=lambda lv: rk_where([lv[0], lv[2]]), ann=valid.ann)
-
-    def _pv(self, name, out, h, c0, rows, rk_where, ri, row_base, rdom, valid):
-        """out (+)= P @ V over the tile: the reduction runs over the global key index, so
-        the MMA initialises ``out`` on the first tile and accumulates into it after."""
-        d, tt = self.d, self.tt
-
-        def iters(lv):
-            return valid.iters(c0) + [("S", rdom, row_base + lv[0]), ("S", (0, d), lv[1]),
-                                      ("R", (0, self.cap), c0 + lv[2])]
-
-        def body(iv):
-            i, dd, j = iv[-3], iv[-2], iv[-1]
-            a, b = self.P[(*ri(i), j)], self.vt[0, h, j, dd]
-            return out, (*ri(i), dd), out[(*ri(i), dd)] + _f32(a) * _f32(b), [a, b], \
-                tirx.const(0.0, "float32")
-        self.kb.op(name, "mma", (rows, d, tt), iters, body,
+        self.kb.op(name, "mma", (rows, cols, self.tt), iters, body,
                    where=lambda lv: rk_where([lv[0], lv[2]]), ann=valid.ann)
 
     def keep_running_max(self, name, rows, iters, ri, where=None):

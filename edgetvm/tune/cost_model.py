@@ -22,8 +22,9 @@ charges the knobs' MMAs, weight and activation DMAs and casts with the spec's
 per-command costs, :func:`partition_estimate` what the cuts send through DRAM and the
 kernels' launches; the prior is the ratio of that estimate to the defaults'. It ranks a
 task's first round before any measurement, and the trees learn what it misses (pipeline
-fill at stage boundaries, bus contention, power, a joined cluster's TCM pressure). Also per matmul, in stage order, the knobs themselves (AutoTVM's
-knob features): the best prefill MLPs differ from the defaults in one stage's tiles.
+fill at stage boundaries, bus contention, power, a joined cluster's TCM pressure). Also
+per matmul, in stage order, the knobs themselves (AutoTVM's knob features): the best
+prefill MLPs differ from the defaults in one stage's tiles.
 """
 from __future__ import annotations
 
