@@ -11,6 +11,7 @@ import time
 
 from edgetvm.errors import EdgeTVMError
 
+from .collector import fewer_collections
 from .fingerprint import describe_quantize, file_sha256
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -27,6 +28,7 @@ def _ints(text: str) -> tuple:
     return vals
 
 
+@fewer_collections()
 def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
           strategy="regions", buckets=DEFAULT_BUCKETS, chunk=None, quantize=None,
           max_tokens: int | None = None, progress: bool = True, log_dir: str | None = None

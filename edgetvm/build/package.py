@@ -30,8 +30,8 @@ def _strip_weights(program, pack: dict):
             prev = pack.get(name)
             if prev is None:
                 pack[name] = data
-            elif prev.shape != data.shape or prev.dtype != data.dtype or \
-                    not np.array_equal(prev, data):
+            elif prev is not data and (prev.shape != data.shape or prev.dtype != data.dtype
+                                       or not np.array_equal(prev, data)):
                 raise BuildError(f"two programs carry different weights named {name!r}")
             t = replace(t, data=None)
         tensors[name] = t

@@ -30,7 +30,6 @@ EDGETVM_OPS = {(MATMUL_NBITS_DOMAIN, "MatMulNBits"): matmul_nbits_problem}
 _TVM_DIRECTLY_HANDLED = ("Constant", "If")
 
 _EXAMPLES_PER_OP = 3
-_PROTOBUF_LIMIT_BYTES = 2**31
 
 
 @dataclass(frozen=True)
@@ -120,10 +119,11 @@ def _check_is_onnx(model: onnx.ModelProto, source: str) -> None:
 
 
 def _run_checker(model: onnx.ModelProto, source: str, path=None) -> None:
-    # Protobuf cannot serialise >2 GB, so the checker must read big models from the file.
-    too_big = model.ByteSize() >= _PROTOBUF_LIMIT_BYTES
+    # From the file when there is one: the checker reads it itself (protobuf cannot
+    # serialise a loaded model of > 2 GB back, and for SmolLM2-135M, 540 MB, that takes
+    # 3.7 s against 0.4 s for the file).
     try:
-        onnx.checker.check_model(path if too_big and path is not None else model)
+        onnx.checker.check_model(path if path is not None else model)
     except Exception as err:  # ValidationError, or ValueError/RuntimeError from the C++ side
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelImportError(f"{source}: fails onnx.checker: {first_line}") from None

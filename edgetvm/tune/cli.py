@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from edgetvm.build.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -58,6 +59,7 @@ def task_kinds(names) -> tuple | None:
     return tuple(dict.fromkeys(out))
 
 
+@fewer_collections()
 def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regions",
          buckets=None, chunk=None, quantize=None, max_tokens=None, phases=None,
          trials=None, time_budget=None, log_dir="tuning_logs", workers=1, rpc_tracker=None,
