@@ -44,6 +44,7 @@ import sys
 import time
 import traceback
 
+from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError, RequestRefused
 from edgetvm.rpc_protocol import (CALLS, DEFAULT_KEY, DEFAULT_PORT, MAX_KEY_BYTES,
                                   RPC_CODE_MISMATCH, RPC_CODE_SUCCESS, RPC_MAGIC,
@@ -493,7 +494,8 @@ def main(argv=None) -> int:
         via = f", tracker {args.tracker[0]}:{args.tracker[1]}" if args.tracker else ""
         print(f"listening on {args.host}:{server.port} (key {args.key}, spec {args.spec}{via})",
               flush=True)
-        server.serve_forever()
+        with fewer_collections():          # inherited by the forked sessions
+            server.serve_forever()
     except KeyboardInterrupt:
         print("stopped", flush=True)
         return 0

@@ -27,6 +27,7 @@ import sys
 
 import numpy as np
 
+from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError
 from edgetvm.build.cli import add_build_options, check_build_options, quantizer_of
 
@@ -122,6 +123,7 @@ def _log_digest(log_dir):
     return file_sha256(path)
 
 
+@fewer_collections()
 def run_artifact(art, args) -> list:
     """Generate with the loaded model.npu ``art``; prints the step table; the records."""
     from edgetvm.runner import connect

@@ -11,7 +11,7 @@ import time
 
 from edgetvm.errors import EdgeTVMError
 
-from .collector import fewer_collections
+from edgetvm.collector import fewer_collections
 from .fingerprint import describe_quantize, file_sha256
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)

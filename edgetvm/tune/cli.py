@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from edgetvm.build.collector import fewer_collections
+from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
