@@ -42,7 +42,8 @@ def default_knobs(m: int, matmuls: dict) -> list:
                 tk -= tk % group
             mm[stage] = dict(tile_n=max(16, min(n, 256 // scale)), tile_k=min(k, tk),
                              slots_w=2, slots_c=2)
-        out.append(dict(tile_m=tm, slots_in=2, slots_out=2, dma_split=1, matmul=mm))
+        out.append(dict(tile_m=tm, slots_in=2, slots_out=2, dma_split=1, tcm_fresh=1,
+                        matmul=mm))
     return out
 
 

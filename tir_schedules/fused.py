@@ -34,6 +34,14 @@ Knobs (sampling instructions; ``None`` samples):
 ``dma_split``
     1 reserves the last DMA channel for stores (root annotation ``npu.dma_split``, as in
     ``gemm.schedule_matmul``), 0 lets loads use every channel;
+``tcm_fresh``
+    1 gives every TCM buffer bytes of its own while they all fit (root annotation
+    ``npu.tcm_fresh``), 0 lets buffers never live at once share bytes. Sharing orders a
+    buffer's first write after the last read of the one it replaces: a stage's first
+    weight tile then waits for the previous stage's epilogue (SmolLM2's prefill-128 MLP:
+    its up projection's first tile waited 18 k cycles for the gate's silu, its down
+    projection's 28 k for the product). A knob set without it (a log record from before
+    it) lowers as it did then: 0 (:data:`KNOBS_SINCE`);
 ``<stage>.tile_n``, ``<stage>.tile_k``, ``<stage>.slots_w``, ``<stage>.slots_c``
     per matmul stage: output/reduction tile, weight-tile copies, accumulator-tile copies.
 """
@@ -175,6 +183,11 @@ def _analyse(func, blocks) -> tuple:
     return out_names, m_ext, elementwise, _input_roles(func, blocks)
 
 
+#: knobs added after logs were written, and the value a knob set without one lowers with
+#: (as it was lowered before the knob existed): a log's old records replay unchanged
+KNOBS_SINCE = {"tcm_fresh": 0}
+
+
 def knob_names(func) -> tuple:
     """The knobs :func:`schedule_cluster` samples for ``func``, in sampling order (the
     ``KNOBS`` of a template, for ``search.knob_space``)."""
@@ -183,7 +196,7 @@ def knob_names(func) -> tuple:
     _, _, elementwise, roles = _analyse(func, blocks)
     names = ["tile_m"] + (["tile_n"] if elementwise else [])
     names += [f"slots_{n}" for n, (role, _, _) in roles.items() if role == "row"]
-    names += ["slots_out", "dma_split"]
+    names += ["slots_out", "dma_split", "tcm_fresh"]
     for _, b in blocks:
         if _op_of(b) == "mma":
             stage = b.name_hint[:-len("_acc")]
@@ -192,13 +205,14 @@ def knob_names(func) -> tuple:
 
 
 def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=None,
-                     dma_split=None, matmul=None):
+                     dma_split=None, tcm_fresh=KNOBS_SINCE["tcm_fresh"], matmul=None):
     """Schedule a row-local PrimFunc (``FusionCluster.prim_func()`` or a
     ``workloads`` row op) in place; see the module docstring for the knobs
     (:func:`knob_names` lists them in sampling order).
 
     ``slots_in``: one value for every streamed input, or a dict name -> value;
-    ``matmul``: dict stage name -> dict(tile_n=, tile_k=, slots_w=, slots_c=).
+    ``matmul``: dict stage name -> dict(tile_n=, tile_k=, slots_w=, slots_c=);
+    ``tcm_fresh``: 0 unless given (None samples it, as the others).
     """
     func = sch.mod["main"]
     root = sch.get_sblock("root")
@@ -216,6 +230,7 @@ def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=
     slot_knobs = {n: knob(sch, slots_in.get(n), [1, 2], f"slots_{n}") for n in row_inputs}
     so = knob(sch, slots_out, [1, 2], "slots_out")
     sch.annotate(root, "npu.dma_split", knob(sch, dma_split, [0, 1], "dma_split"))
+    sch.annotate(root, "npu.tcm_fresh", knob(sch, tcm_fresh, [0, 1], "tcm_fresh"))
 
     # 1. TCM placement: inputs DMA'd in, intermediates in TCM, outputs staged in TCM
     loads = {}                                   # load block name -> (param, role)

@@ -20,13 +20,15 @@ from __future__ import annotations
 from .fused import schedule_cluster
 
 #: knob names in sampling order (``search.knob_space``)
-KNOBS = ("tile_m", "slots_x", "slots_out", "dma_split")
+KNOBS = ("tile_m", "slots_x", "slots_out", "dma_split", "tcm_fresh")
 
 
-def schedule_row_norm(sch, *, tile_m=None, slots_x=None, slots_out=None, dma_split=None):
-    """Schedule ``workloads.rms_norm`` / ``layer_norm`` / ``softmax`` in place."""
+def schedule_row_norm(sch, *, tile_m=None, slots_x=None, slots_out=None, dma_split=None,
+                      tcm_fresh=0):
+    """Schedule ``workloads.rms_norm`` / ``layer_norm`` / ``softmax`` in place
+    (``tcm_fresh``: as ``fused.schedule_cluster``'s)."""
     return schedule_cluster(sch, tile_m=tile_m, slots_in={"x": slots_x}, slots_out=slots_out,
-                            dma_split=dma_split)
+                            dma_split=dma_split, tcm_fresh=tcm_fresh)
 
 
 schedule_rms_norm = schedule_row_norm

@@ -5,7 +5,8 @@ Features are computed from a candidate's knobs and its task's shapes, without lo
 lowered and measured): DRAM bytes per level (activations, weights re-read per row tile,
 outputs), DMA count and mean DMA size (bursts), the TCM footprint of the tiles and their
 buffering slots (and its share of the TCM), tile counts, MACs and arithmetic intensity,
-the pipeline depth (slots) and the DMA split. For a run's cuts (a partition task): the
+the pipeline depth (slots), the DMA split and whether TCM buffers share bytes
+(``tcm_fresh``). For a run's cuts (a partition task): the
 activation bytes the cuts send through DRAM, the number of kernels, and the largest
 cluster's weights against the TCM. MetaSchedule's per-store features know
 nothing of TCM, DMA or power, so its ``XGBModel`` feature extractor does not apply; the
@@ -32,6 +33,8 @@ import math
 
 import numpy as np
 
+from edgetvm.tir_schedules.fused import KNOBS_SINCE
+
 #: template kinds, one-hot in the features
 KINDS = ("cluster", "decode_attention", "prefill_attention", "embedding", "partition")
 
@@ -44,7 +47,7 @@ FEATURES = (
     "log_tile_q", "log_tile_kv", "kv_tiles", "slots_kv", "slots_s", "rowsum_mma",
     "clusters", "log_cut_bytes", "max_cluster_ops", "max_cluster_w_frac", "mm_clusters",
     "log_est_mma", "log_est_wdma", "log_est_act", "log_est_vec", "log_est_serial",
-    "log_est_overlap", "prior", "tile_m_frac",
+    "log_est_overlap", "prior", "tile_m_frac", "tcm_fresh",
 ) + tuple(f"mm{i}_{k}" for i in range(4) for k in (
     "log_tile_n", "log_tile_k", "tile_n_frac", "tile_k_frac", "slots_w", "slots_c")
 ) + tuple(f"kind_{k}" for k in KINDS)
@@ -200,6 +203,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  log_intensity=_l(macs / max(1.0, dram)), log_w_tiles=_l(w_tiles),
                  mean_tn_frac=tnf / nm, mean_tk_frac=tkf / nm, slots_in=si, slots_out=so,
                  slots_w=sw / nm, slots_c=sc / nm, dma_split=knobs.get("dma_split", 0),
+                 tcm_fresh=knobs.get("tcm_fresh", KNOBS_SINCE["tcm_fresh"]),
                  matmuls=len(sh["matmuls"]), w4=float(any(sh["quant"])))
         if sh["matmuls"]:
             est = cluster_estimate(sh, knobs, spec)

@@ -44,7 +44,7 @@ from edgetvm.build.kernels import cluster_key, cluster_matmuls, cluster_rows, st
 from edgetvm.errors import CandidateRejected
 from edgetvm.tir_schedules.attention import kv_tile_candidates
 from edgetvm.tir_schedules.common import tile_candidates
-from edgetvm.tir_schedules.fused import ROW_TILES, knob_names, schedule_cluster
+from edgetvm.tir_schedules.fused import KNOBS_SINCE, ROW_TILES, knob_names, schedule_cluster
 from edgetvm.tir_schedules.search import knob_space
 
 from .log import canonical_knobs, workload_hash
@@ -230,7 +230,7 @@ def flat_cluster_knobs(space: dict, knobs: dict) -> dict:
             s = knobs.get("slots_in")
             point[name] = s.get(name[len("slots_"):]) if isinstance(s, dict) else s
         else:
-            point[name] = knobs.get(name)
+            point[name] = knobs.get(name, KNOBS_SINCE.get(name))
     return point
 
 
@@ -239,7 +239,7 @@ def cluster_space(cluster) -> tuple:
     func = cluster.prim_func()
     names = knob_names(func)
     probe = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
-    schedule_cluster(probe)
+    schedule_cluster(probe, tcm_fresh=None)
     space = knob_space(probe, names)
     matmuls = cluster_matmuls(cluster)
     shape = dict(rows=cluster_rows(cluster), matmuls=matmuls,

@@ -15,6 +15,9 @@ Optional loop annotations: ``"npu.slots"`` (how many TCM copies the written buff
 2 = double buffering), ``"npu.channel"`` (DMA channel). Root block annotation
 ``"npu.dma_split"``: 1 reserves the last DMA channel for stores (so a store waiting for
 compute never holds up a prefetch queued behind it), 0 lets loads use every channel.
+Root block annotation ``"npu.tcm_fresh"``: 1 gives every TCM buffer bytes no other buffer
+uses while they all fit (``tcm_alloc.plan_tcm``), 0 (and no annotation) lets buffers that
+are never live at once share bytes.
 """
 from __future__ import annotations
 
@@ -117,6 +120,7 @@ class Interpreter:
         self.buffers: dict = {}   # buffer var -> "param" | "runtime" | "tcm" | "dram_scratch"
         self.scalars: dict = {}   # var_key(scalar parameter) -> Affine runtime parameter
         self.dma_split = False    # root block "npu.dma_split": stores get their own channel
+        self.tcm_fresh = False    # root block "npu.tcm_fresh": TCM bytes of its own per buffer
         for p in func.params:          # TVM 0.27: buffer params are Vars of BufferType
             if isinstance(p.ty, BufferType):
                 self.buffers[p] = "runtime" if p.name in self.exprs.runtime else "param"
@@ -159,6 +163,8 @@ class Interpreter:
             block = stmt.block
             if "npu.dma_split" in block.annotations:
                 self.dma_split = bool(_ann(block.annotations, "npu.dma_split"))
+            if "npu.tcm_fresh" in block.annotations:
+                self.tcm_fresh = bool(_ann(block.annotations, "npu.tcm_fresh"))
             for buf in block.alloc_buffers:
                 self.buffers[buf] = "tcm" if buf.scope() == TCM_SCOPE else "dram_scratch"
             for iv, val in zip(block.iter_vars, stmt.iter_values):

@@ -61,7 +61,7 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     if not ops:
         raise CandidateRejected("the schedule produced no NPU operation")
     kinds = interp.buffers
-    tcm, tcm_bytes = plan_tcm(ops, kinds, spec)
+    tcm, tcm_bytes = plan_tcm(ops, kinds, spec, fresh=interp.tcm_fresh)
     units = _assign_units(ops, kinds, spec, interp.dma_split)
     waits, signals = insert_events(ops, units, kinds, tcm)
 

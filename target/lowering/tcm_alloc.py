@@ -1,5 +1,6 @@
 """TCM allocation: compact every TCM buffer to its per-instance footprint, give it
-``slots`` copies, and place buffers by lifetime (buffers never live at once share bytes).
+``slots`` copies, and place buffers by lifetime (buffers never live at once share bytes),
+or, asked for (``fresh``), each in bytes of its own while the TCM has room.
 
 An *instance* of a TCM buffer is one iteration of the innermost loop that encloses all of
 its accesses (the loop it is allocated in after TVM's ``CompactBufferAllocation``); its
@@ -51,8 +52,10 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def plan_tcm(ops, tcm_kinds: dict, spec) -> tuple[dict, int]:
-    """Footprints, slots and offsets of every TCM buffer; returns (buffers, total bytes)."""
+def plan_tcm(ops, tcm_kinds: dict, spec, fresh: bool = False) -> tuple[dict, int]:
+    """Footprints, slots and offsets of every TCM buffer; returns (buffers, total bytes).
+    ``fresh``: each buffer in bytes no other buffer uses while they all fit the TCM (else
+    as without it), see :func:`_place`."""
     uses: dict = {}
     for op in ops:
         for box in op.reads + op.writes:
@@ -81,7 +84,10 @@ def plan_tcm(ops, tcm_kinds: dict, spec) -> tuple[dict, int]:
         tb.footprint = tuple(max(hi_of[k][d] - lo_of[k][d] for k in order)
                              for d in range(len(buf.shape)))
         plans[buf] = tb
-    total = _place(list(plans.values()), spec.tcm_alignment)
+    bufs = list(plans.values())
+    total = _place(bufs, spec.tcm_alignment, fresh_within=spec.tcm_bytes if fresh else 0)
+    if fresh and total > spec.tcm_bytes:
+        total = _place(bufs, spec.tcm_alignment)
     if total > spec.tcm_bytes:
         detail = ", ".join(f"{t.name} {t.footprint}x{t.slots} slot(s) = "
                            f"{t.slot_bytes * t.slots} B"
@@ -91,19 +97,33 @@ def plan_tcm(ops, tcm_kinds: dict, spec) -> tuple[dict, int]:
     return plans, total
 
 
-def _place(bufs, alignment) -> int:
-    """Greedy by size: the lowest offset not overlapping a placed buffer live at once."""
+def _place(bufs, alignment, fresh_within: int = 0) -> int:
+    """Greedy by size: the lowest offset not overlapping a placed buffer live at once.
+
+    ``fresh_within``: first the lowest offset not overlapping any placed buffer, live or
+    not, while that ends within ``fresh_within`` bytes. Sharing bytes with a dead buffer
+    orders the new buffer's first write after the old one's last read: a stage's first
+    weight tile could not be prefetched while the previous stage's epilogue still read
+    the bytes it was given (a prefill MLP's silu), and the matrix unit idled."""
     placed = []
     top = 0
-    for t in sorted(bufs, key=lambda t: (-t.slot_bytes * t.slots, t.first_op)):
-        size = _align(t.slot_bytes, alignment) * t.slots
-        live = sorted((p.offset, p.offset + _align(p.slot_bytes, alignment) * p.slots)
-                      for p in placed if not (p.last_op < t.first_op or t.last_op < p.first_op))
+
+    def lowest(size, others):
         off = 0
-        for a, b in live:
+        for a, b in sorted(others):
             if off + size <= a:
                 break
             off = max(off, _align(b, alignment))
+        return off
+
+    for t in sorted(bufs, key=lambda t: (-t.slot_bytes * t.slots, t.first_op)):
+        size = _align(t.slot_bytes, alignment) * t.slots
+        spans = [(p, (p.offset, p.offset + _align(p.slot_bytes, alignment) * p.slots))
+                 for p in placed]
+        off = lowest(size, [s for _, s in spans])
+        if off + size > fresh_within:
+            off = lowest(size, [s for p, s in spans
+                                if not (p.last_op < t.first_op or t.last_op < p.first_op)])
         t.offset = off
         t.slot_stride = _align(t.slot_bytes, alignment)
         placed.append(t)
