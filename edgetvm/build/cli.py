@@ -9,9 +9,9 @@ import os
 import sys
 import time
 
+from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError
 
-from edgetvm.collector import fewer_collections
 from .fingerprint import describe_quantize, file_sha256
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
