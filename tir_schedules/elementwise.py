@@ -16,7 +16,7 @@ head, so its tile is ``tile_m`` rows x all heads, one rope instruction per head.
 """
 from __future__ import annotations
 
-from .fused import schedule_cluster
+from .fused import KNOBS_SINCE, schedule_cluster
 
 #: knob names in sampling order: ``fused.knob_names(func)`` (one ``slots_<input>`` per input),
 #: e.g. these for ``workloads.silu_mul`` and ``workloads.rope``
@@ -27,7 +27,7 @@ ROPE_KNOBS = ("tile_m", "slots_x", "slots_cos", "slots_sin", "slots_out", "dma_s
 
 
 def schedule_elementwise(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=None,
-                         dma_split=None, tcm_fresh=0):
+                         dma_split=None, tcm_fresh=KNOBS_SINCE["tcm_fresh"]):
     """Schedule ``workloads.silu_mul`` / ``gelu`` / ``residual_add`` in place.
 
     ``slots_in``: one value for every input or a dict input name -> value;
@@ -37,7 +37,7 @@ def schedule_elementwise(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_
 
 
 def schedule_rope(sch, *, tile_m=None, slots_x=None, slots_cs=None, slots_out=None,
-                  dma_split=None, tcm_fresh=0):
+                  dma_split=None, tcm_fresh=KNOBS_SINCE["tcm_fresh"]):
     """Schedule ``workloads.rope`` in place (``slots_cs``: the cos/sin tiles)."""
     return schedule_cluster(sch, tile_m=tile_m, slots_in={"x": slots_x, "cos": slots_cs,
                                                           "sin": slots_cs},

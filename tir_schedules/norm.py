@@ -17,14 +17,14 @@ loaded once per kernel. Knobs:
 """
 from __future__ import annotations
 
-from .fused import schedule_cluster
+from .fused import KNOBS_SINCE, schedule_cluster
 
 #: knob names in sampling order (``search.knob_space``)
 KNOBS = ("tile_m", "slots_x", "slots_out", "dma_split", "tcm_fresh")
 
 
 def schedule_row_norm(sch, *, tile_m=None, slots_x=None, slots_out=None, dma_split=None,
-                      tcm_fresh=0):
+                      tcm_fresh=KNOBS_SINCE["tcm_fresh"]):
     """Schedule ``workloads.rms_norm`` / ``layer_norm`` / ``softmax`` in place
     (``tcm_fresh``: as ``fused.schedule_cluster``'s)."""
     return schedule_cluster(sch, tile_m=tile_m, slots_in={"x": slots_x}, slots_out=slots_out,

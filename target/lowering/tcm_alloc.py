@@ -120,8 +120,8 @@ def _place(bufs, alignment, fresh_within: int = 0) -> int:
         size = _align(t.slot_bytes, alignment) * t.slots
         spans = [(p, (p.offset, p.offset + _align(p.slot_bytes, alignment) * p.slots))
                  for p in placed]
-        off = lowest(size, [s for _, s in spans])
-        if off + size > fresh_within:
+        off = lowest(size, [s for _, s in spans]) if fresh_within else None
+        if off is None or off + size > fresh_within:
             off = lowest(size, [s for p, s in spans
                                 if not (p.last_op < t.first_op or t.last_op < p.first_op)])
         t.offset = off

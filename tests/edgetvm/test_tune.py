@@ -541,10 +541,10 @@ def test_a_measurement_past_the_timeout_is_a_failure_and_the_pool_recovers(mc):
 
 
 def test_candidates_over_the_power_budget_are_measured_but_never_chosen(tmp_path):
-    """Under ``low-battery`` (700 mW) some of prefill 64's kernels are over the budget even
-    throttled (DRAM power does not scale with the clock). A candidate over the limit is logged as
-    measured, counts as a trial and is never replayed; the limit is the budget, or the
-    defaults' peak for a kernel whose defaults break the budget themselves."""
+    """Under ``low-battery`` (700 mW) some of prefill 64's kernels are over the budget
+    even throttled (DRAM power does not scale with the clock). A candidate over the limit
+    is logged as measured, counts as a trial and is never replayed; the limit is the
+    budget, or the defaults' peak for a kernel whose defaults break the budget themselves."""
     from edgetvm.tune.log import OVER_BUDGET
     from edgetvm.tune.tuner import DEFAULTS_OVER
     d = str(tmp_path / "log")
