@@ -15,7 +15,8 @@ model decode row also gives its latency against the bandwidth roofline (the byte
 must move: every weight, one embedding row, the KV read and the new K/V written), a model
 prefill row against the compute roofline (the MACs a step must do at the matrix unit's
 peak: every linear on the rows it computes, the logits of the last position only, and
-causal attention, each query against the keys up to its own position).
+causal attention, each query against the keys up to its own position) and against the
+bound its measured energy sets under the profile's budget (:func:`energy_bound`).
 Every strategy uses the same default (untuned) knobs per kernel; ``edgellm`` chooses its
 cut points from emulator measurements of candidate clusters (edgetvm/build/search.py).
 
@@ -163,7 +164,9 @@ class Bench:
             row["bandwidth_roofline_ratio"] = c.total_cycles / self.decode_roofline(
                 program, g, cached)
         if scope == "model" and phase == "prefill":
-            row["compute_roofline_ratio"] = c.total_cycles / self.compute_roofline(g, cached)
+            roof = self.compute_roofline(g, cached)
+            row["compute_roofline_ratio"] = c.total_cycles / roof
+            row["energy_bound_roofline_ratio"] = energy_bound(self.mc.spec, c, profile) / roof
         row.update(dram_bytes=int(c.dram_read_bytes + c.dram_write_bytes),
                    cycles=int(c.total_cycles), latency_us=float(c.time_us),
                    energy_uj=float(c.energy_uj), peak_power_mw=float(c.peak_power_mw),
@@ -226,6 +229,25 @@ class Bench:
         tol = DEFAULT_ATOL + DEFAULT_RTOL * float(np.abs(ref).max())
         return dict(max_abs_diff=diff, tolerance=tol, numerics_ok=diff <= tol,
                     same_argmax=int(np.argmax(logits)) == int(np.argmax(ref)))
+
+
+def energy_bound(spec, counters, profile: str) -> float:
+    """Cycles a run's measured energy above static power takes at the profile's budget
+    above static power: no schedule that spends that energy runs faster within the budget
+    (the governor holds every window to it, so the step's average too). A bound on this
+    schedule's energy, not on the step: a schedule that moves fewer bytes or pads fewer
+    MACs spends less (and with ``dvfs_exponent`` > 1, a lower clock spends less per MAC)."""
+    static_uj = spec.power_static_mw * counters.time_us / 1000.0
+    budget_mw = spec.profile(profile).budget_mw - spec.power_static_mw
+    return (counters.energy_uj - static_uj) / budget_mw * 1000.0 * spec.clock_mhz  # uJ/mW = ms
+
+
+def energy_note(row) -> str:
+    """The energy bound of a prefill row, against the compute roofline (empty for others)."""
+    if "energy_bound_roofline_ratio" not in row:
+        return ""
+    return (f"; its energy alone needs {row['energy_bound_roofline_ratio']:.3f}x at the "
+            f"{row['profile']} budget")
 
 
 def print_table(rows) -> None:
@@ -303,7 +325,8 @@ def main(argv=None) -> int:
         for kind in ("bandwidth", "compute"):
             if f"{kind}_roofline_ratio" in r:
                 print(f"{r['case']} {r['profile']} {r['strategy']}: "
-                      f"{r[f'{kind}_roofline_ratio']:.3f}x the {kind} roofline")
+                      f"{r[f'{kind}_roofline_ratio']:.3f}x the {kind} roofline"
+                      + energy_note(r))
     wrong = [r for r in rows if r.get("numerics_ok") is False]
     if args.json:
         write_json(args.json, {"benchmark": "strategies", "model": str(model),

@@ -22,7 +22,9 @@ program) and prefill 512 from position 0 (``--quick``: decode and prefill 128).
 The decode rows also give the latency against the bandwidth roofline (the bytes a step
 must move over the DRAM bandwidth; ``strategies.Bench.decode_roofline``), the prefill rows
 against the compute roofline (the MACs a step must do at the matrix unit's peak;
-``strategies.Bench.compute_roofline``).
+``strategies.Bench.compute_roofline``) and the bound the program's measured energy sets
+under the profile's budget (``strategies.energy_bound``: its energy above static
+power over the budget above static power).
 
 Without ``--model``, SmolLM2-135M (``$EDGETVM_SMOLLM2`` or ``../smollm2``), else the
 bundled example. A log of another model, spec, profile or version is refused.
@@ -132,6 +134,10 @@ def main(argv=None) -> int:
         print(f"{r['case']:<14} {r['profile']:<12} {r['variant']:<40} {r['cycles']:>12,} "
               f"{x:>8} {rf:>7} {r['peak_power_mw']:>8.0f} {str(r['over_budget']):>5} "
               f"{'ok' if r['numerics_ok'] else 'WRONG':>8}")
+    for r in rows:
+        if "energy_bound_roofline_ratio" in r:
+            print(f"{r['case']} {r['profile']} {r['variant']}: {r['compute_roofline_ratio']:.3f}x "
+                  f"the compute roofline{st.energy_note(r)}")
     for r in rows:
         if "vs_throttled" in r:
             print(f"{r['case']}: tuned under {args.budget_profile} (budget {budget_mw:.0f} mW) "

@@ -14,6 +14,7 @@ from edgetvm.build.cli import main as build_main
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.build.graph import BuildError
 from edgetvm.errors import CandidateRejected, EdgeTVMError
+from edgetvm.relax_passes import QuantizeW4A16
 from edgetvm.target.emulator import Emulator
 from edgetvm.target.spec import load_spec, spec_from_dict
 from edgetvm.tune.cli import select_keys, tune
@@ -669,19 +670,24 @@ def test_a_candidate_far_slower_than_the_best_is_stopped_with_a_lower_bound(mc):
 
 def test_the_shipped_smollm2_log_matches_the_export():
     """tuning_logs/smollm2-135m was tuned on make_smollm2.sh's export, under `performance`
-    and under `balanced`: its contexts match that file and this edgetvm, and each profile
-    replays its own records (skipped without the 540 MB export)."""
+    and under `balanced`, and W4A16 g32 under `performance`: its contexts match that file
+    and this edgetvm, and each replays its own records (skipped without the 540 MB
+    export)."""
     import os
     repo = pathlib.Path(__file__).resolve().parents[2]
     root = os.environ.get("EDGETVM_SMOLLM2", str(repo.parent / "smollm2"))
     model = os.path.join(root, "optimum_with_past", "model.onnx")
     if not os.path.exists(model):
         pytest.skip(f"no SmolLM2 export at {model}")
-    for profile in ("performance", "balanced"):      # one log, a context per profile
+    w4 = QuantizeW4A16(group_size=32)
+    # one log, a context per profile and quantization
+    for profile, quantize in (("performance", None), ("balanced", None), ("performance", w4)):
         replay = Replay(str(repo / "tuning_logs" / "smollm2-135m"),
-                        log_context(model, load_spec("edge-npu-16mb"), profile, None))
+                        log_context(model, load_spec("edge-npu-16mb"), profile, quantize))
         assert len(replay.best) >= 10
         assert {r.context.profile for r in replay.best.values()} == {profile}
+        assert {r.context.quantization == "none" for r in replay.best.values()} == \
+            {quantize is None}
 
 
 def test_a_time_budget_covers_the_baselines(tmp_path, mc):
