@@ -233,10 +233,12 @@ class Bench:
 
 def energy_bound(spec, counters, profile: str) -> float:
     """Cycles a run's measured energy above static power takes at the profile's budget
-    above static power: no schedule that spends that energy runs faster within the budget
-    (the governor holds every window to it, so the step's average too). A bound on this
-    schedule's energy, not on the step: a schedule that moves fewer bytes or pads fewer
-    MACs spends less (and with ``dvfs_exponent`` > 1, a lower clock spends less per MAC)."""
+    above static power: a run that spends that energy and keeps its average power within
+    the budget (as it does when every window is) takes at least that long; a run faster
+    than its bound drew more than the budget on average (the governor does not slow
+    DRAM). A bound on this schedule's energy, not on the step: a schedule that moves fewer
+    bytes or pads fewer MACs spends less (and with ``dvfs_exponent`` > 1, a lower clock
+    spends less per MAC)."""
     static_uj = spec.power_static_mw * counters.time_us / 1000.0
     budget_mw = spec.profile(profile).budget_mw - spec.power_static_mw
     return (counters.energy_uj - static_uj) / budget_mw * 1000.0 * spec.clock_mhz  # uJ/mW = ms
