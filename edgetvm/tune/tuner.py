@@ -583,8 +583,10 @@ class Tuner:
                              context=t.context,
                              count=t.count, phases=sorted(t.phases),
                              default_cycles=s.default_cycles, best_cycles=s.best_cycles,
+                             # a resumed task may have records but no measurement of
+                             # today's default knobs yet (defaults changed since)
                              speedup=(s.default_cycles / s.best_cycles)
-                             if s.best_cycles else None,
+                             if s.best_cycles and s.default_cycles else None,
                              trials=s.trials, rejected=s.rejected, failed=s.failed,
                              over_budget=s.over_budget,
                              space=t.space_size, best_knobs=s.best_knobs,

@@ -25,7 +25,7 @@ from edgetvm.tune.log import (OK, REJECTED, Replay, TuningLog, canonical_knobs, 
 from edgetvm.build.measure import measure_kernel
 from edgetvm.tune.measure import measure_candidate
 from edgetvm.tune.tasks import extract_tasks
-from edgetvm.tune.tuner import Tuner
+from edgetvm.tune.tuner import Tuner, format_report
 from tune_helpers import logged_tasks
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
@@ -688,6 +688,31 @@ def test_the_shipped_smollm2_log_matches_the_export():
         assert {r.context.profile for r in replay.best.values()} == {profile}
         assert {r.context.quantization == "none" for r in replay.best.values()} == \
             {quantize is None}
+
+
+def test_a_resumed_task_without_todays_default_still_reports(tmp_path, mc):
+    """A log whose records of a task lack the task's current default knobs (the defaults
+    changed since it was written, as when clusters gained ``tcm_fresh``) resumes with a
+    best but no default; a budget that ends before the default is measured again must
+    still report (it raised TypeError in ``report`` at the end of such a resume, after
+    10 minutes of tuning)."""
+    tasks = extract_tasks(mc, mc.phase_keys((8,)))
+    d = tmp_path / "log"
+    ctx = log_context(LLAMA, mc.spec, None, None)
+    with TuningLog(str(d)) as tlog:
+        Tuner(mc, tasks, tlog, ctx, progress=False).run(trials=24)
+    defaults = {t.workload: canonical_knobs(t.default_knobs) for t in tasks}
+    path = d / "records.jsonl"
+    lines = path.read_text().splitlines()
+    kept = [ln for ln in lines
+            if canonical_knobs(json.loads(ln)["knobs"]) != defaults.get(json.loads(ln)["workload"])]
+    assert len(kept) < len(lines)
+    path.write_text("".join(ln + "\n" for ln in kept))
+    with TuningLog(str(d)) as tlog:
+        rep = Tuner(mc, tasks, tlog, ctx, progress=False).run(trials=0)
+    rows = [r for r in rep["tasks"] if r["best_cycles"] and r["default_cycles"] is None]
+    assert rows and all(r["speedup"] is None for r in rows)
+    assert format_report(rep)
 
 
 def test_a_time_budget_covers_the_baselines(tmp_path, mc):
