@@ -121,7 +121,10 @@ class PowerLog:
         """(start times, average power) per ``step`` from ``start`` to ``end``."""
         if end <= start:
             return np.zeros(0), np.zeros(0)
-        edges = np.append(np.arange(start, end, step), end)
+        edges = np.arange(start, end, step)
+        # arange may end a rounding error short of ``end`` (0.1 * 3 by 0.1): that edge would
+        # make an empty last interval, its power 0 / 0
+        edges = np.append(edges[edges < end - 1e-6 * step], end)
         t, total, _, _ = self._arrays(step)
         cum = np.interp(edges, t, total)
         return edges[:-1], np.diff(cum) / np.diff(edges)

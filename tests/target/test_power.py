@@ -235,3 +235,19 @@ def test_w4a16_mma_rereads_packed_weights_scales_and_zeros_per_tile_row(spec):
     c = Emulator(spec).run(b.build()).counters
     assert c.tcm_read_bytes == m * k * 2 + 3 * (n * k // 2 + n * (k // g) * 3)
     assert c.tcm_write_bytes == m * n * 4
+
+
+def test_power_trace_has_no_empty_interval_at_a_rounded_end():
+    """``PowerLog.trace`` over a span that is a whole number of steps only up to rounding
+    (0.1 * 3 by 0.1): arange then ends a hair short of the end, and appending the end made
+    an empty last interval whose power was 0 / 0 (NaN, and a RuntimeWarning in a tune)."""
+    from edgetvm.target.emulator.power import PowerLog
+    log = PowerLog(150.0)
+    log.add(1.0, {"static": 150.0, "units": 900.0, "dram": 0.0, "tcm": 0.0, "host": 0.0},
+            900.0)
+    starts, power = log.trace(0.0, 0.1 * 3, 0.1)
+    assert len(starts) == len(power) == 3
+    assert np.allclose(power, 1050.0)
+    starts, power = log.trace(0.0, 0.35, 0.1)          # a short last interval stays
+    assert np.allclose(np.diff(np.append(starts, 0.35)), [0.1, 0.1, 0.1, 0.05])
+    assert np.allclose(power, 1050.0)
