@@ -244,12 +244,14 @@ def energy_bound(spec, counters, profile: str) -> float:
     return (counters.energy_uj - static_uj) / budget_mw * 1000.0 * spec.clock_mhz  # uJ/mW = ms
 
 
-def energy_note(row) -> str:
-    """The energy bound of a prefill row, against the compute roofline (empty for others)."""
-    if "energy_bound_roofline_ratio" not in row:
-        return ""
-    return (f"; its energy alone needs {row['energy_bound_roofline_ratio']:.3f}x at the "
-            f"{row['profile']} budget")
+def roofline_summary(row, kind: str) -> str:
+    """A row against its ``kind`` (bandwidth or compute) roofline, and a prefill row's
+    energy bound against the same roofline."""
+    text = f"{row[f'{kind}_roofline_ratio']:.3f}x the {kind} roofline"
+    if "energy_bound_roofline_ratio" in row:
+        text += (f"; its energy alone needs {row['energy_bound_roofline_ratio']:.3f}x at "
+                 f"the {row['profile']} budget")
+    return text
 
 
 def print_table(rows) -> None:
@@ -327,8 +329,7 @@ def main(argv=None) -> int:
         for kind in ("bandwidth", "compute"):
             if f"{kind}_roofline_ratio" in r:
                 print(f"{r['case']} {r['profile']} {r['strategy']}: "
-                      f"{r[f'{kind}_roofline_ratio']:.3f}x the {kind} roofline"
-                      + energy_note(r))
+                      f"{roofline_summary(r, kind)}")
     wrong = [r for r in rows if r.get("numerics_ok") is False]
     if args.json:
         write_json(args.json, {"benchmark": "strategies", "model": str(model),

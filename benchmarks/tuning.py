@@ -136,8 +136,8 @@ def main(argv=None) -> int:
               f"{'ok' if r['numerics_ok'] else 'WRONG':>8}")
     for r in rows:
         if "energy_bound_roofline_ratio" in r:
-            print(f"{r['case']} {r['profile']} {r['variant']}: {r['compute_roofline_ratio']:.3f}x "
-                  f"the compute roofline{st.energy_note(r)}")
+            print(f"{r['case']} {r['profile']} {r['variant']}: "
+                  f"{st.roofline_summary(r, 'compute')}")
     for r in rows:
         if "vs_throttled" in r:
             print(f"{r['case']}: tuned under {args.budget_profile} (budget {budget_mw:.0f} mW) "

@@ -5,11 +5,11 @@ counted on the wrong side, breaks one of the two)."""
 import dataclasses
 import pathlib
 
-import numpy as np
 import pytest
 
 from bench_helpers import load_benchmark
 from edgetvm.build.compiler import ModelCompiler
+from edgetvm.runtime.model import ModelInfo, ModelRunner
 from edgetvm.target.emulator import Emulator
 
 LLAMA = str(pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" /
@@ -25,20 +25,17 @@ def _with_budget(spec, profile, budget_mw):
 @pytest.fixture(scope="module")
 def prefill_run():
     mc = ModelCompiler(LLAMA, max_tokens=64, max_rows=32, strategy="local")
-    key = next(k for k in mc.phase_keys((32,)) if k[0] == "prefill" and k[1] == 32)
+    keys = mc.phase_keys((32,))
+    key = next(k for k in keys if k[0] == "prefill" and k[1] == 32)
     program = mc.program(*key)
-    rng = np.random.default_rng(0)
-    inputs = {n: (rng.integers(0, 100, t.shape) if "int" in t.dtype
-                  else rng.standard_normal(t.shape) * 0.1).astype(t.dtype)
-              for n, t in program.tensors.items() if t.kind == "input"}
-    params = {k: 0 for k in program.params}
-    params.update({k: int(k.split(".")[1]) for k in program.params
-                   if k.startswith(("page_table.", "dst_page."))})
-    params.update({k: v for k, v in dict(pos=0, valid_len=32, last_row=31).items()
-                   if k in program.params})
+    g = mc.graph(*key)
+    info = ModelInfo(g.layers, g.kv_heads, g.head_dim, mc.page_tokens, mc.max_tokens,
+                     int(g.tensors["logits"].shape[-1]))
+    runner = ModelRunner({key: program}, keys, info, None)
+    params = runner.params_for(program, key, list(range(1, 33)), 0)    # a 32-token prompt
     # the budget lifted: the run is not throttled, its draw is what the program asks for
     spec = _with_budget(mc.spec, "performance", 1e9)
-    return spec, Emulator(spec, "performance").run(program, inputs, params).counters
+    return spec, Emulator(spec, "performance").run(program, {}, params).counters
 
 
 def test_energy_bound_equals_the_run_at_its_own_average_power(prefill_run, monkeypatch):

@@ -701,11 +701,11 @@ def test_a_resumed_task_without_todays_default_still_reports(tmp_path, mc):
     ctx = log_context(LLAMA, mc.spec, None, None)
     with TuningLog(str(d)) as tlog:
         Tuner(mc, tasks, tlog, ctx, progress=False).run(trials=24)
+        path = pathlib.Path(tlog.path)
     defaults = {t.workload: canonical_knobs(t.default_knobs) for t in tasks}
-    path = d / "records.jsonl"
     lines = path.read_text().splitlines()
-    kept = [ln for ln in lines
-            if canonical_knobs(json.loads(ln)["knobs"]) != defaults.get(json.loads(ln)["workload"])]
+    kept = [ln for ln, r in zip(lines, map(json.loads, lines))
+            if canonical_knobs(r["knobs"]) != defaults.get(r["workload"])]
     assert len(kept) < len(lines)
     path.write_text("".join(ln + "\n" for ln in kept))
     with TuningLog(str(d)) as tlog:
