@@ -16,9 +16,11 @@ signal, in the signalling unit's program order, and orders the waiting command a
 signalling command and everything before it on its unit. So which signal a wait consumes,
 and with it every happens-before relation the race check uses, never depends on timing.
 ``when``
-    optional predicate: an :class:`Affine` of runtime parameters; the command executes iff
-    its value is > 0. A predicated-off command moves no data and takes no cycles, but still
-    waits and signals, so the event protocol is the same for every parameter value.
+    optional predicate: an :class:`Affine` of runtime parameters, or a tuple of them; the
+    command executes iff every value is > 0 (a tile that is live AND on the diagonal: a
+    command processor comparing scalar registers, as for a loop bound). A predicated-off
+    command moves no data and takes no cycles, but still waits and signals, so the event
+    protocol is the same for every parameter value.
 
 Operands are :class:`TcmRef` (a 2-D region of the TCM: byte offset, rows x cols, dtype,
 row stride in elements) or :class:`DramRef` (a 2-D strided window of a named DRAM tensor
@@ -140,6 +142,18 @@ def as_affine(v: Value) -> Affine:
     return v if isinstance(v, Affine) else Affine(int(v))
 
 
+def predicates(when) -> tuple:
+    """A command's ``when`` as a tuple of :class:`Affine` predicates (empty: always)."""
+    if when is None:
+        return ()
+    return (when,) if isinstance(when, Affine) else tuple(when)
+
+
+def holds(when, params: Mapping[str, int]) -> bool:
+    """Whether a command with predicate ``when`` executes under ``params``."""
+    return all(w.eval(params) > 0 for w in predicates(when))
+
+
 def eval_value(v: Value | None, params: Mapping[str, int]) -> int | None:
     if v is None or isinstance(v, int):
         return v
@@ -194,7 +208,7 @@ class DramRef:
 class Command:
     wait: tuple = ()
     signal: tuple = ()
-    when: Affine | None = None
+    when: Affine | tuple | None = None      # a tuple: every predicate must hold
 
     @property
     def unit(self) -> str:

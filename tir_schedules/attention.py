@@ -11,7 +11,8 @@ Both are one loop structure, written with explicit tile loops (:class:`TileKerne
           for each group of query rows (decode: the G heads; prefill: one head's q tile):
             S  = Q @ K^T                           (matrix, fp32)
           for each group of query rows:
-            Sm = mask(S)                           (valid length / causal band)
+            Sm = mask(S)                           (valid length / causal band; prefill:
+                                                    in place, diagonal tiles only)
             t == 0:  m = rowmax(Sm); P = exp((Sm - m) * scale); l = rowsum(P); O = P @ V
             t > 0 :  mt = rowmax(Sm); mn = max(m, mt); c = exp((m - mn) * scale); m = mn
                      O = O * c; P = exp((Sm - mn) * scale); l = l * c + rowsum(P);
@@ -33,6 +34,20 @@ SmolLM2 shapes at 512 rows, default knobs: 318 k -> 266 k cycles, the vector uni
 the row sums run is a knob (``rowsum_mma``, below). Decode keeps its row sums on the
 vector unit (3 rows per head: a reduction costs 6 cycles a tile, an MMA 48), and is bound
 by its KV bytes anyway.
+
+Prefill also keeps the vector unit from waiting on the matrix unit between KV tiles. With
+``slots_s=2`` it is software-pipelined: iteration ``u`` of the KV loop loads K and queues
+the QK^T of tile ``u`` (into one of two explicit score slots, ``tile % 2``), then loads V
+and runs the softmax and P @ V of tile ``u - 1``; so the matrix unit computes the next
+tile's scores while the vector unit works on this tile's, where before each tile's
+softmax waited for its QK^T, queued behind the previous tile's P @ V. And it masks only the
+tiles a mask changes, in place (no ``S_masked`` copy): whole-prompt, the tiles the causal
+diagonal crosses (a compile-time condition); chunked, the tiles whose last key is past the
+q tile's first row (``pos``) or past ``valid_len``, by runtime predicates on those
+parameters (a command's ``when`` may hold several: ``isa.Command``). The mask is one of a
+score's four vector passes (mask, max, subtract, exp: 8 of 64-lane cycles). SmolLM2 shapes,
+chunked prefill at 512 rows, tile_q = tile_kv = 128: 280,084 -> 274,552 cycles with the
+masks on the diagonal only (vector busy 201,744 -> 187,920), -> 250,008 pipelined.
 
 Decode swaps the two outer loops: ``for kv tile t`` outside, ``for kv head h`` inside, so
 a tile's pages are loaded for all KV heads at once, one DMA per page for every head (a
@@ -59,9 +74,10 @@ tiles at all. The masks use ``npu.mask_len`` (keys >= valid_len) and ``npu.mask_
 
 Knobs: decode ``tile_kv`` (tokens per KV tile: a multiple or divisor of the page),
 ``slots_kv`` (1/2: double-buffered K/V tiles), ``slots_s`` (copies of a KV tile's score
-tiles: 2 lets the next tile's QK^T write while this tile's are read; since the QK^T of a
-tile are queued behind the previous tile's P @ V, the measured times of 1 and 2 were equal
-at SmolLM2's shapes); prefill adds ``tile_q`` and
+tiles: 2 lets the next tile's QK^T write while this tile's are read; in decode, whose QK^T
+of a tile are queued behind the previous tile's P @ V, the measured times of 1 and 2 were
+equal at SmolLM2's shapes; in prefill 2 is the software pipeline above, 1 the plain loop
+in less TCM); prefill adds ``tile_q`` and
 ``rowsum_mma`` (1: the row sums on the matrix unit; 0: on the vector unit, fewer cycles of
 the 900 mW matrix unit for more of the 250 mW vector unit: under a binding power budget
 the slower kernel may be the faster step).
@@ -72,6 +88,7 @@ head (an MMA operand must be a 2-D tile and a DMA cannot permute axes).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import tvm
@@ -83,17 +100,20 @@ from .kv_cache import KVCacheLayout
 DECODE_KNOBS = ("tile_kv", "slots_kv", "slots_s")
 PREFILL_KNOBS = ("tile_q", "tile_kv", "slots_kv", "slots_s", "rowsum_mma")
 
-#: the templates' revision, part of their kernels' structural keys: bumped when the program
-#: lowered for given knobs changes, so a tuning log's records of an earlier revision (whose
-#: cycles no longer hold) are not replayed. 2: QK^T of every head before the softmaxes,
-#: O rescaled in place and accumulated by the P @ V MMA, prefill row sums on the matrix
-#: unit, the output normalised by a reciprocal.
-REVISION = 2
+#: the templates' revisions, part of their kernels' structural keys: bumped when the
+#: program lowered for given knobs changes, so a tuning log's records of an earlier revision
+#: (whose cycles no longer hold) are not replayed. 2: QK^T of every head before the
+#: softmaxes, O rescaled in place and accumulated by the P @ V MMA, prefill row sums on the
+#: matrix unit, the output normalised by a reciprocal. Prefill 3: masks in place on the
+#: tiles they change only; ``slots_s=2`` software-pipelined.
+DECODE_REVISION = 2
+PREFILL_REVISION = 3
 
 #: lower_primfunc keyword arguments of the attention kernels
 ATTENTION_LOWERING = {"runtime": ["page_table"], "state": ["K_cache", "V_cache"]}
 
 _NEG_INF = float("-inf")
+_ANY = (-(1 << 20), 1 << 20)        # the domain of an iter var bound to a loop value
 
 
 def kv_tile_candidates(page_tokens: int, capacity: int) -> list:
@@ -110,7 +130,8 @@ def _f32(x):
 class _Attention:
     """Emits the online-softmax attention loop nest (see the module docstring)."""
 
-    def __init__(self, kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels):
+    def __init__(self, kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels,
+                 ahead=False):
         self.kb, self.lay = kb, layout
         self.hq, self.hk, self.d = q_heads, layout.kv_heads, layout.head_dim
         if q_heads % layout.kv_heads:
@@ -124,6 +145,9 @@ class _Attention:
         self.rt = min(tile_kv, p)                 # rows of one page DMA
         self.ppt = max(1, tile_kv // p)           # page DMAs per tile
         self.slots_kv, self.slots_s = slots_kv, slots_s
+        # prefill with two score slots: the QK^T of KV tile t + 1 runs while the softmax of
+        # tile t does (software pipelining); S gets an explicit slot axis (tile % 2)
+        self.ahead = ahead
         self.ones = None                          # prefill: row sums on the matrix unit
         self.v_channel = channels - 1 if channels > 1 else None
         self.k_channel = 0 if channels > 1 else None
@@ -138,11 +162,18 @@ class _Attention:
         self.kt = kb.tcm("K_tile", (1, self.hk, cap, self.d), "float16")
         self.vt = kb.tcm("V_tile", (1, self.hk, cap, self.d), "float16")
 
-    def load_kv(self, h, t, klen, valid):
+    def s_at(self, lead, j, t):
+        """S's element of query row ``lead`` and key ``j`` (global), KV tile ``t``."""
+        if self.ahead:
+            return (tirx.floormod(t, 2), *lead, j - t * self.tt)
+        return (*lead, j)
+
+    def load_kv(self, h, t, klen, valid, which="KV"):
         """The K and V tile ``t``: one DMA per page of the tile, of KV head ``h``, or of
         every KV head when ``h`` is None (a page holds its heads' blocks back to back, so
         that is still one contiguous DRAM read, landing in each head's rows of the tile:
-        ``kv_heads`` times fewer, larger transfers, each paying one set-up)."""
+        ``kv_heads`` times fewer, larger transfers, each paying one set-up). ``which``: "K",
+        "V" or both."""
         kb, lay, d = self.kb, self.lay, self.d
         p, rt, tt = lay.page_tokens, self.rt, self.tt
         with kb.loop(self.ppt, "pg") as pg:
@@ -150,6 +181,8 @@ class _Attention:
                                                    self.slots_kv, self.k_channel),
                                                   ("V_load", self.v_cache, self.vt,
                                                    self.slots_kv, self.v_channel)):
+                if name[0] not in which:
+                    continue
                 def iters(lv, pg=pg):
                     # the tile's predicate, not the page's: every page of a live tile is
                     # loaded whole, so the MMAs never read TCM rows no DMA wrote (the
@@ -169,9 +202,14 @@ class _Attention:
                       ann={"npu.slots": slots, "npu.channel": ch, **valid.ann,
                            **({"npu.valid_whole": 1} if valid.ann else {})})
 
-    def step(self, h, t, rows, row_base, row_ok, ri, klen, valid, mask_ann, part):
+    def step(self, h, t, rows, row_base, row_ok, ri, klen, valid, mask_ann, part,
+             masks=None):
         """One KV tile for one group of query rows (``ri(row) -> leading indices``):
-        ``part`` "qk" emits its S = Q @ K^T, "softmax" the rest."""
+        ``part`` "qk" emits its S = Q @ K^T, "softmax" the rest. ``masks``: None masks
+        every tile into ``S_masked``; else ``masks(c0)`` lists the in-place masks of the
+        tile at key ``c0``, each ``(compile-time condition or None, [(runtime parameter,
+        coefficient, value)])``: emitted under the condition, run iff every
+        ``coefficient * parameter - value > 0`` (and the tile is live)."""
         kb, d, tt, sc = self.kb, self.d, self.tt, self.scale
         c0 = t * tt
         S, Sm, S2, P = self.S, self.Sm, self.S2, self.P
@@ -200,18 +238,26 @@ class _Attention:
         def rd_where(lv):
             return row_ok(lv[0])
 
+        def at(buf, i, j=None):
+            """``buf``'s element of row ``i`` (and key or column ``j``)."""
+            if buf is S and self.ahead:
+                return self.s_at(ri(i), j, t)
+            return (*ri(i), j) if j is not None and len(buf.shape) == len(ri(i)) + 1 \
+                else ri(i)
+        tile_at = at       # (``reduce`` has an ``at`` of its own)
+
         def elementwise(name, op, dst, value_fn, srcs, extents, iters, where, ann=va, dt=None):
             def body(iv):
                 i = iv[-2] if len(extents) == 2 else iv[-1]
-                idx = (*ri(i), iv[-1]) if len(extents) == 2 else ri(i)
-                loads = [s[idx] if len(s.shape) == len(idx) else s[ri(i)] for s in srcs]
-                return dst, idx, value_fn(*loads), loads, None
+                j = iv[-1] if len(extents) == 2 else None
+                loads = [s[at(s, i, j)] for s in srcs]
+                return dst, at(dst, i, j), value_fn(*loads), loads, None
             kb.op(name, op, extents, iters, body, where=where, ann=ann)
 
         def reduce(name, op, dst, src, init, combine, at=ri):
             def body(iv):
                 i, j = iv[-2], iv[-1]
-                x = src[(*ri(i), j)]
+                x = src[tile_at(src, i, j)]
                 return dst, at(i), combine(dst[at(i)], _f32(x)), [x], tirx.const(init, "float32")
             kb.op(name, op, (rows, tt), rred, body, where=rk_where, ann=va)
 
@@ -244,10 +290,19 @@ class _Attention:
                         d, c0, rows, rk_where, ri, row_base, rdom, valid)
 
         if part == "qk":
-            self._qk(h, rows, ri, rk, rk_where, va)
+            self._qk(h, t, rows, ri, rk, rk_where, va)
             return
-        elementwise("mask", "vector:mask", Sm, lambda x: x, [S], (rows, tt), rk, rk_where,
-                    ann={**va, **mask_ann})
+        if masks is None:
+            elementwise("mask", "vector:mask", Sm, lambda x: x, [S], (rows, tt), rk,
+                        rk_where, ann={**va, **mask_ann})
+        for cond, preds in masks(c0) if masks is not None else ():
+            nv = len(valid.iters(c0))
+            tag = ",".join(f"{n}:{k}:{nv + a}" for a, (n, k, _) in enumerate(preds))
+            with (kb.when(cond) if cond is not None else contextlib.nullcontext()):
+                elementwise("mask", "vector:mask", S, lambda x: x, [S], (rows, tt),
+                            lambda lv, preds=preds: valid.iters(c0) + [
+                                ("S", _ANY, v) for _, _, v in preds] + rk(lv)[nv:],
+                            rk_where, ann={**va, **mask_ann, "npu.predicates": tag or None})
         first = kb.when(t == 0)
         with first:
             reduce("rowmax0", "vector:reduce_max", m, Sm, _NEG_INF, tirx.Max)
@@ -284,19 +339,19 @@ class _Attention:
             rowsum("rowsum")
             pv("PV")
 
-    def _qk(self, h, rows, ri, rk, rk_where, va):
+    def _qk(self, h, t, rows, ri, rk, rk_where, va):
         """S = Q @ K^T for one group of query rows."""
         kb, d, tt, S = self.kb, self.d, self.tt, self.S
 
         def qk(iv):
             i, j, k = iv[-3], iv[-2], iv[-1]
             a, b = self.Q[(*ri(i), k)], self.kt[0, h, j, k]
-            return S, (*ri(i), j), S[(*ri(i), j)] + _f32(a) * _f32(b), [a, b], \
-                tirx.const(0.0, "float32")
+            at = self.s_at(ri(i), j, t)
+            return S, at, S[at] + _f32(a) * _f32(b), [a, b], tirx.const(0.0, "float32")
 
         kb.op("QK", "mma", (rows, tt, d),
               lambda lv: rk(lv) + [("R", (0, d), lv[2])], qk, where=rk_where,
-              ann={"npu.slots": self.slots_s, **va})
+              ann={"npu.slots": None if self.ahead else self.slots_s, **va})
 
     def _p_mma(self, name, out, at, b_of, cols, c0, rows, rk_where, ri, row_base, rdom,
                valid):
@@ -356,11 +411,17 @@ class _Attention:
               lambda iv: (self.ones_t, (iv[0], iv[1]), self.ones[iv[0], iv[1]],
                           [self.ones[iv[0], iv[1]]], None))
 
-    def declare_state(self, lead, tt_cap):
-        """Per-row running state and per-tile scratch, with leading dims ``lead``."""
+    def declare_state(self, lead, tt_cap, mask_in_place=False, outer_loops=None):
+        """Per-row running state and per-tile scratch, with leading dims ``lead``;
+        ``mask_in_place``: the masks write S itself (no ``S_masked``). Pipelined
+        (``ahead``), S has a slot axis (tile % 2) and its instance is the ``outer_loops``
+        loops around the KV loop: the tiles alternate between its slots."""
         kb = self.kb
-        self.S = kb.tcm("S", (*lead, tt_cap), "float32")
-        self.Sm = kb.tcm("S_masked", (*lead, tt_cap), "float32")
+        if self.ahead:
+            self.S = kb.tcm("S", (2, *lead, self.tt), "float32", instance_loops=outer_loops)
+        else:
+            self.S = kb.tcm("S", (*lead, tt_cap), "float32")
+        self.Sm = self.S if mask_in_place else kb.tcm("S_masked", (*lead, tt_cap), "float32")
         self.S2 = kb.tcm("S_shifted", (*lead, tt_cap), "float32")
         self.P = kb.tcm("P", (*lead, tt_cap), "float16")
         for name in ("m", "mt", "mn", "dm", "corr", "ls", "m_final", "rinv", "rinv2"):
@@ -450,7 +511,8 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
         max_pages = -(-c // p)
     cap = max_pages * p
     with TileKernel("prefill_attention") as kb:
-        a = _Attention(kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels)
+        a = _Attention(kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels,
+                       ahead=slots_s == 2)
         hq, g, hk = a.hq, a.g, a.hk
         tq = min(tile_q, c)
         q = kb.buffer("q", (c, hq, d), "float16")
@@ -470,7 +532,7 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
         a.declare_kv(cap)
         if rowsum_mma:
             a.declare_ones(cap)
-        a.declare_state((hq, c), cap)
+        a.declare_state((hq, c), cap, mask_in_place=True, outer_loops=2)    # h, qi
         o16 = kb.tcm("O16", (c, hq, d), "float16")
         a.rows_total = c
         n_qt = -(-c // tq)
@@ -487,26 +549,49 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
                               q[iv[0], h * g + iv[1], iv[2]],
                               [q[iv[0], h * g + iv[1], iv[2]]], None),
                   where=lambda lv: row_ok(lv[0]))
+            tt = a.tt
+            # a tile is masked only where a mask changes it: the causal one where the last
+            # key is past the q tile's first row, the length one where it is past valid_len
             if chunked:
                 valid = _Validity("pos", q_end)       # tile start < pos + q_end
-                n_kt = -(-cap // a.tt)
+                n_kt = -(-cap // tt)
                 mask_ann = {"npu.mask_len": "valid_len", "npu.mask_pos": "pos"}
+
+                def masks(c0):
+                    return [(None, [("pos", -1, q0 + 1 - tt - c0)]),   # c0+tt-1 > pos+q0
+                            (None, [("valid_len", -1, -(c0 + tt))])]   # c0+tt > valid_len
             else:
                 valid = _Validity()
-                n_kt = tirx.floordiv(q_end + a.tt - 1, a.tt)   # no tile above the diagonal
+                n_kt = tirx.floordiv(q_end + tt - 1, tt)   # no tile above the diagonal
                 mask_ann = {"npu.mask_pos": ""}
+
+                def masks(c0):
+                    return [(c0 + tt - 1 > q0, [])]
             with kb.loop(g, "e") as e:
                 kb.op("Q_head", "vector:copy", (tq, d),
                       lambda lv: [("S", (0, c), q0 + lv[0]), ("S", (0, d), lv[1])],
                       lambda iv: (a.Q, (h * g + e, iv[0], iv[1]), q_raw[iv[0], h * g + e, iv[1]],
                                   [q_raw[iv[0], h * g + e, iv[1]]], None),
                       where=lambda lv: row_ok(lv[0]))
-            with kb.loop(n_kt, "t") as t:
-                a.load_kv(h, t, kv_len, valid)
-                for part in ("qk", "softmax"):         # as in decode: QK^T of every head first
-                    with kb.loop(g, "e") as e:
-                        a.step(h, t, tq, q0, row_ok, lambda i, e=e: (h * g + e, i), kv_len,
-                               valid, mask_ann, part)
+            def part(t, name):      # as in decode: the QK^T of every head first
+                with kb.loop(g, "e") as e:
+                    a.step(h, t, tq, q0, row_ok, lambda i, e=e: (h * g + e, i), kv_len,
+                           valid, mask_ann, name, masks)
+            if a.ahead:
+                # software-pipelined: iteration u loads K and runs the QK^T of tile u, then
+                # the softmax and P @ V of tile u - 1, whose scores are in the other slot
+                with kb.loop(n_kt + 1, "u") as u:
+                    with kb.when(u < n_kt):
+                        a.load_kv(h, u, kv_len, valid, "K")
+                        part(u, "qk")
+                    with kb.when(u > 0):
+                        a.load_kv(h, u - 1, kv_len, valid, "V")
+                        part(u - 1, "softmax")
+            else:
+                with kb.loop(n_kt, "t") as t:
+                    a.load_kv(h, t, kv_len, valid)
+                    part(t, "qk")
+                    part(t, "softmax")
             with kb.loop(g, "e") as e:
                 a.keep_running_max("m_final", tq, lambda lv: [("S", (0, c), q0 + lv[0])],
                                    lambda i, e=e: (h * g + e, i), where=lambda lv: row_ok(lv[0]))

@@ -2,7 +2,7 @@
 annotations the NPU lowering reads (``npu.op``, ``npu.slots``, ``npu.channel``)."""
 from __future__ import annotations
 
-from edgetvm.target.lowering.lower import FILL_CONSTS
+from edgetvm.target.lowering.lower import FILL_CONSTS, TCM_INSTANCE
 
 TCM = "global.tcm"
 
@@ -72,6 +72,7 @@ class TileKernel:
         self._outer: list = []      # iterated loop vars around the current point
         self._names: dict = {}
         self._fills: dict = {}      # template constants: buffer name -> fill value
+        self._instances: dict = {}  # TCM buffer name -> loops delimiting an instance
 
     # -- function frame ---------------------------------------------------------------
     def __enter__(self):
@@ -95,6 +96,8 @@ class TileKernel:
         f = self._ib.get()
         if self._fills:
             f = f.with_attr(FILL_CONSTS, {k: float(v) for k, v in self._fills.items()})
+        if self._instances:
+            f = f.with_attr(TCM_INSTANCE, dict(self._instances))
         return f
 
     def _push(self, frame):
@@ -121,8 +124,12 @@ class TileKernel:
         IRBuilder.name(name, v)
         return v
 
-    def tcm(self, name: str, shape, dtype: str):
-        """A TCM buffer declared with its global shape; lowering compacts it to the tile."""
+    def tcm(self, name: str, shape, dtype: str, instance_loops: int | None = None):
+        """A TCM buffer declared with its global shape; lowering compacts it to the tile.
+        ``instance_loops``: one instance of it spans one iteration of the first this many
+        iterated loops (``TCM_INSTANCE``), not of every loop around all its accesses."""
+        if instance_loops is not None:
+            self._instances[name] = int(instance_loops)
         from tvm.script.ir_builder import IRBuilder
         buf = self.T.sblock_alloc_buffer(tuple(int(s) for s in shape), dtype, scope=TCM)
         IRBuilder.name(name, buf)

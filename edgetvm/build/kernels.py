@@ -21,7 +21,7 @@ from edgetvm.errors import CandidateRejected
 from edgetvm.npu_regions import default_knobs
 from edgetvm.target.lowering import lower_primfunc
 from edgetvm.tir_schedules.attention import ATTENTION_LOWERING
-from edgetvm.tir_schedules.attention import REVISION as ATTENTION_REVISION
+from edgetvm.tir_schedules.attention import DECODE_REVISION, PREFILL_REVISION
 from edgetvm.tir_schedules.attention import schedule_decode_attention, schedule_prefill_attention
 from edgetvm.tir_schedules.embedding import schedule_embedding
 from edgetvm.tir_schedules.fused import (FusionCluster, Stage, knob_names, lower_cluster,
@@ -262,9 +262,9 @@ class KernelBuilder:
         hq, scale = op.attrs["q_heads"], op.attrs["scale"]
         pages = graph.pages
         if graph.phase == "decode":
-            key = repr(("decode_attention", ATTENTION_REVISION, hq, pages, scale))
+            key = repr(("decode_attention", DECODE_REVISION, hq, pages, scale))
         else:
-            key = repr(("prefill_attention", ATTENTION_REVISION, hq, graph.rows, pages, scale))
+            key = repr(("prefill_attention", PREFILL_REVISION, hq, graph.rows, pages, scale))
         knobs, replayed = self._knobs(key, knobs)
 
         def build(kn):
@@ -289,7 +289,7 @@ def attention_default_knobs(phase: str, rows: int, pages: int, layout: KVCacheLa
     tile = min(64, pages * layout.page_tokens)
     if phase == "decode":
         return dict(tile_kv=tile, slots_kv=2, slots_s=1)
-    return dict(tile_q=min(64, rows), tile_kv=tile, slots_kv=2, slots_s=1, rowsum_mma=1)
+    return dict(tile_q=min(64, rows), tile_kv=tile, slots_kv=2, slots_s=2, rowsum_mma=1)
 
 
 def cluster_rows(cluster: FusionCluster) -> int:

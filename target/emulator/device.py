@@ -34,7 +34,7 @@ from edgetvm.errors import EdgeTVMError, InvalidProgramError
 
 from ..host_ops import HOST_OPS
 from ..isa import (ITEMSIZE, DmaLoad, DmaStore, End, EventSignal, EventWait, HostOp, Launch,
-                   Mma, Program, TcmRef, Vector, eval_value)
+                   Mma, Program, TcmRef, Vector, eval_value, holds)
 from ..spec import NPUSpec, load_spec
 from . import functional as F
 from .costs import command_cycles, dma_tcm_traffic, dram_bursts, tcm_traffic
@@ -486,7 +486,7 @@ class _Run:
         cmd, step = self.program.commands[i], self.steps[i]
         now = self.clock.now
         vc = self.hazards.begin(unit, joined)
-        active = cmd.when is None or cmd.when.eval(self.params) > 0
+        active = cmd.when is None or holds(cmd.when, self.params)
         act = None
         if not active:
             self.skipped += 1

@@ -12,7 +12,7 @@ from edgetvm.errors import InvalidProgramError
 
 from ..host_ops import HOST_OPS
 from ..isa import (DTYPES, ITEMSIZE, VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, End,
-                   EventSignal, EventWait, HostOp, Launch, Mma, Program, TcmRef, Vector)
+                   EventSignal, EventWait, HostOp, Launch, Mma, Program, TcmRef, Vector, predicates)
 
 UNIT_NAMES = ("matrix", "vector", "host")
 
@@ -127,8 +127,10 @@ def _check_params(value, program, what):
 
 
 def _check_command(cmd, program, spec):
-    if cmd.when is not None:
-        _check_params(cmd.when, program, "when")
+    for w in predicates(cmd.when):
+        if not isinstance(w, Affine):
+            _fail(f"predicate {w!r} is not an affine value of runtime parameters")
+        _check_params(w, program, "when")
     if isinstance(cmd, (DmaLoad, DmaStore)):
         if not 0 <= cmd.channel < spec.dma_channels:
             _fail(f"DMA channel {cmd.channel} does not exist ({spec.name} has "

@@ -15,6 +15,12 @@ Optional loop annotations: ``"npu.slots"`` (how many TCM copies the written buff
 2 = double buffering), ``"npu.channel"`` (DMA channel). Root block annotation
 ``"npu.dma_split"``: 1 reserves the last DMA channel for stores (so a store waiting for
 compute never holds up a prefetch queued behind it), 0 lets loads use every channel.
+Predicates (the op runs only for some runtime parameter values): ``"npu.valid_len"``
+names a parameter ``L`` and ``"npu.valid_axis"`` an iter var ``v`` of the leaf block (bound
+to a value of the enclosing loops, extent 1): the op runs iff ``L - v > 0`` (a tile past the
+valid length is skipped; a DMA moves only the valid rows unless ``"npu.valid_whole"``).
+``"npu.predicates"``: ``"name:coef:axis,..."``, more conditions ``coef * name - v > 0`` that
+must all hold as well (a causal mask only on the tiles the diagonal crosses).
 Root block annotation ``"npu.tcm_fresh"``: 1 gives every TCM buffer bytes no other buffer
 uses while they all fit (``tcm_alloc.plan_tcm``), 0 (and no annotation) lets buffers that
 are never live at once share bytes.
@@ -255,7 +261,7 @@ class Interpreter:
                  "channel": _ann(loop.annotations, "npu.channel", None)}
         attrs["iter_min"] = tuple(env_min[k] for k in keys)
         for key in ("npu.valid_len", "npu.valid_axis", "npu.valid_whole", "npu.mask_len",
-                    "npu.mask_pos"):
+                    "npu.mask_pos", "npu.predicates"):
             if key in loop.annotations:
                 attrs[key[4:]] = _ann(loop.annotations, key)
         if kind == "mma":

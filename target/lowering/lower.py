@@ -26,6 +26,10 @@ from .tcm_alloc import locate, plan_tcm, row_major_strides
 #: PrimFunc attribute: parameter name -> the value every element of a template constant
 #: holds (a column of ones: ``TileKernel.const``); lowering ships it in the program
 FILL_CONSTS = "npu.fill_consts"
+#: PrimFunc attribute: TCM buffer name -> how many of the iterated loops around its
+#: accesses delimit one instance (default: all that enclose every access), for a buffer
+#: with an explicit slot axis that one loop iteration touches only part of
+TCM_INSTANCE = "npu.tcm_instance"
 
 
 def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None,
@@ -61,7 +65,9 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     if not ops:
         raise CandidateRejected("the schedule produced no NPU operation")
     kinds = interp.buffers
-    tcm, tcm_bytes = plan_tcm(ops, kinds, spec, fresh=interp.tcm_fresh)
+    inst = func.attrs.get(TCM_INSTANCE) if func.attrs is not None else None
+    tcm, tcm_bytes = plan_tcm(ops, kinds, spec, fresh=interp.tcm_fresh,
+                              instance_depth={str(k): int(v) for k, v in (inst or {}).items()})
     units = _assign_units(ops, kinds, spec, interp.dma_split)
     waits, signals = insert_events(ops, units, kinds, tcm)
 
@@ -105,9 +111,17 @@ def _valid_start(op):
 
 
 def _predicate(op):
-    """Ops on tiles wholly past the runtime valid length are predicated off."""
+    """Ops on tiles wholly past the runtime valid length are predicated off, and ops with
+    ``npu.predicates`` unless each ``coef * param - iter value > 0`` (one Affine, a tuple of
+    them when several must hold)."""
     v = _valid_start(op)
-    return None if v is None else v[0] - v[1]
+    preds = [] if v is None else [v[0] - v[1]]
+    for item in filter(None, str(op.attrs.get("predicates") or "").split(",")):
+        name, coef, axis = item.split(":")
+        preds.append(Affine.param(name, int(coef)) - op.attrs["iter_min"][int(axis)])
+    if not preds:
+        return None
+    return preds[0] if len(preds) == 1 else tuple(preds)
 
 
 def _assign_units(ops, kinds, spec, dma_split: bool) -> dict:

@@ -52,10 +52,14 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def plan_tcm(ops, tcm_kinds: dict, spec, fresh: bool = False) -> tuple[dict, int]:
+def plan_tcm(ops, tcm_kinds: dict, spec, fresh: bool = False,
+             instance_depth: dict | None = None) -> tuple[dict, int]:
     """Footprints, slots and offsets of every TCM buffer; returns (buffers, total bytes).
     ``fresh``: each buffer in bytes no other buffer uses while they all fit the TCM (else
-    as without it), see :func:`_place`."""
+    as without it), see :func:`_place`. ``instance_depth``: buffer name -> at most this many
+    enclosing loops delimit an instance (a buffer with an explicit slot axis, indexed by
+    ``tile % 2``, is one instance over its whole tile loop: per iteration, the last one,
+    touching one slot only, would get another base)."""
     uses: dict = {}
     for op in ops:
         for box in op.reads + op.writes:
@@ -67,6 +71,7 @@ def plan_tcm(ops, tcm_kinds: dict, spec, fresh: bool = False) -> tuple[dict, int
         depth = 0
         while all(len(p) > depth for p in paths) and len({p[depth] for p in paths}) == 1:
             depth += 1
+        depth = min(depth, (instance_depth or {}).get(buf.name, depth))
         tb = TcmBuffer(buf, buf.name, str(buf.dtype), np.dtype(str(buf.dtype)).itemsize)
         tb.first_op = min(op.index for op, _ in lst)
         tb.last_op = max(op.index for op, _ in lst)

@@ -528,6 +528,32 @@ def test_when_predicated_off_leaves_data_and_takes_no_time(spec, flag):
     assert c.total_cycles == loads + s + vec + s + dma_cycles(spec, nbytes)
 
 
+@pytest.mark.parametrize("a,b", [(1, 1), (1, 0), (0, 1), (-2, 5)])
+def test_a_tuple_of_predicates_runs_only_when_all_hold(spec, a, b):
+    """``when`` as a tuple (a live tile AND one its diagonal crosses): the command runs iff
+    every value is > 0; a predicate naming an undeclared parameter is refused."""
+    x = RNG.standard_normal((4, 64)).astype(np.float32)
+    old = RNG.standard_normal((4, 64)).astype(np.float32)
+
+    def program(names):
+        b_ = ProgramBuilder("when2", spec)
+        pa = b_.param("a")
+        b_.param("b")
+        (tx, tdst), evs = load_inputs(b_, spec, {"x": x, "old": old})
+        done = b_.event()
+        # a > 0 and 1 - b > 0
+        b_.emit(Vector(op="add", dst=tdst, srcs=(tx,), imm=1.0, wait=tuple(evs),
+                       signal=(done,), when=(pa, Affine.param(names, -1, 3) - 2)))
+        store_output(b_, tdst, (done,))
+        return b_.build()
+    r = Emulator(spec).run(program("b"), {"x": x, "old": old}, {"a": a, "b": b})
+    runs = a > 0 and 1 - b > 0
+    np.testing.assert_array_equal(r.outputs["y"], x + 1 if runs else old)
+    assert r.counters.commands_skipped == (not runs)
+    with pytest.raises(InvalidProgramError, match="undeclared runtime parameter"):
+        Emulator(spec).run(program("c"), {"x": x, "old": old}, {"a": a, "b": b})
+
+
 def test_event_wait_and_signal_commands(spec):
     x = RNG.standard_normal((16, 64)).astype(np.float16)
     w = RNG.standard_normal((64, 64)).astype(np.float16)

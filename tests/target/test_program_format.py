@@ -38,6 +38,7 @@ def rich_program(spec):
     b.emit(EventWait(on="vector", wait=(ev[3],)))
     b.emit(Vector(op="mask", dst=t2, srcs=(acc,), limit=pos + 3, causal_offset=Affine(2)))
     b.emit(Vector(op="mul", dst=t2, srcs=(t2,), imm=0.5, when=pos - 1))
+    b.emit(Vector(op="add", dst=t2, srcs=(t2,), imm=1.0, when=(pos - 1, n - 3)))
     b.emit(EventSignal(on="vector", signal=(ev[4], ev[7])))
     b.emit(DmaStore(dst=DramRef("kv", (1, 64), 64, pos * 64), src=t2.rows(0, 1),
                     wait=(ev[4],), signal=(ev[5],)))
@@ -82,7 +83,10 @@ def test_round_trip_in_memory(spec):
             assert u.data is None
     assert pf.dumps(q) == pf.dumps(p)              # deterministic bytes
     ra, rb = run_twice(spec, p), run_twice(spec, q)
-    assert ra[1].counters.commands_skipped == 0 and ra[0].counters.commands_skipped == 1
+    # pos 0: the two predicated commands are off (one predicate, a tuple of two); pos 2: on
+    assert ra[1].counters.commands_skipped == 0 and ra[0].counters.commands_skipped == 2
+    two = [c.when for c in q.commands if isinstance(c.when, tuple)]
+    assert two == [(Affine.param("pos", 1, -1), Affine.param("n", 1, -3))]
     assert_same_runs(ra, rb)
 
 

@@ -142,18 +142,20 @@ def test_append_then_decode_shares_the_cache_state(spec):
 
 
 # -- prefill ------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape,tokens,tile_q,tile_kv,rowsum_mma", [
-    (SMOLLM2, 100, 32, 32, 1),             # non-divisible length
-    (SMOLLM2, 100, 32, 32, 0),             # the row sums on the vector unit
-    (SMOLLM2, 48, 48, 48, 1),              # tiles = the whole length
-    (TINY_LLAMA, 77, 32, 16, 1),
+@pytest.mark.parametrize("shape,tokens,tile_q,tile_kv,rowsum_mma,slots_s", [
+    (SMOLLM2, 100, 32, 32, 1, 2),          # non-divisible length
+    (SMOLLM2, 100, 32, 32, 1, 1),          # not pipelined
+    (SMOLLM2, 100, 32, 32, 0, 2),          # the row sums on the vector unit
+    (SMOLLM2, 48, 48, 48, 1, 2),           # tiles = the whole length
+    (TINY_LLAMA, 77, 32, 16, 1, 2),
+    (TINY_LLAMA, 77, 16, 32, 1, 2),        # KV tiles larger than q tiles
 ])
-def test_prefill_attention_causal(spec, shape, tokens, tile_q, tile_kv, rowsum_mma):
+def test_prefill_attention_causal(spec, shape, tokens, tile_q, tile_kv, rowsum_mma, slots_s):
     hq, hk, d = shape
     max_pages = -(-tokens // P)
     lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
     sch = schedule_prefill_attention(lay, hq, tokens, spec, tile_q=tile_q, tile_kv=tile_kv,
-                                     slots_kv=2, slots_s=2, rowsum_mma=rowsum_mma)
+                                     slots_kv=2, slots_s=slots_s, rowsum_mma=rowsum_mma)
     prog = lower_primfunc(sch.mod["main"], spec, "prefill_attention", outputs=["out"],
                           **ATTENTION_LOWERING)
     k, v, pages = _cache(lay)
@@ -171,11 +173,25 @@ def test_prefill_attention_causal(spec, shape, tokens, tile_q, tile_kv, rowsum_m
     # the row sums: an (M, 1) MMA per tile and head, or a vector reduction
     _check_row_sums(prog, emitted * hq, rowsum_mma)
     # every head's QK^T of a KV tile is queued before the first softmax (the matrix unit's
-    # queue is in program order); then per head its row sums and P @ V
+    # queue is in program order); then per head its row sums and P @ V. Pipelined, the
+    # QK^T of tile t + 1 are queued before the row sums and P @ V of tile t
     g = hq // hk
     seq = "".join("Q" if c.transpose_b else "r" if c.b.shape[1] == 1 else "V"
                   for c in prog.commands if isinstance(c, Mma))
-    assert re.fullmatch(f"(Q{{{g}}}({'rV' if rowsum_mma else 'V'}){{{g}}})+", seq), seq[:40]
+    pv = f"({'rV' if rowsum_mma else 'V'}){{{g}}}"
+    block = f"Q{{{g}}}(Q{{{g}}}{pv})*{pv}" if slots_s == 2 else f"Q{{{g}}}{pv}"
+    assert re.fullmatch(f"({block})+", seq), seq[:40]
+    if slots_s == 2 and n_q < emitted:      # some q tile has two KV tiles: it overlaps
+        assert re.search(f"Q{{{2 * g}}}", seq)
+    # masked in place, only where the causal diagonal crosses the tile (its last key is
+    # past the q tile's first row): one mask per such tile and query head
+    crossing = sum(t * tile_kv + tile_kv - 1 > i * tile_q for i in range(n_q)
+                   for t in range(-(-min(tokens, (i + 1) * tile_q) // tile_kv)))
+    assert 0 < crossing < emitted or emitted == n_q
+    assert sum(isinstance(c, Vector) and c.op == "mask" for c in prog.commands) == \
+        crossing * hq
+    assert all(c.dst == c.srcs[0] for c in prog.commands
+               if isinstance(c, Vector) and c.op == "mask")
     # the output is rescaled in place and accumulated by the MMA, normalised by a multiply:
     # no vector add or div over (rows, head_dim)
     assert not any(isinstance(c, Vector) and c.op in ("add", "div") and c.dst.shape[1] == d
@@ -208,13 +224,23 @@ def test_chunked_prefill_attention(spec, shape, chunk, max_pages, positions, row
     for pos in positions:                  # one static program, two chunk positions
         length = pos + chunk
         params = {**lay.page_table_params(pages, max_pages), "pos": pos, "valid_len": length}
-        r = emu.run(prog, {"K_cache": k, "V_cache": v, "q": q}, params=params)
+        r = emu.run(prog, {"K_cache": k, "V_cache": v, "q": q}, params=params, trace=True)
         ref = _attention_ref(q, gather_reference(k, pages, length),
                              gather_reference(v, pages, length), pos, hq // hk)
         _close(r.outputs["out"], ref)
-        # KV tiles wholly past a q tile's diagonal (the first q tile: pos + 16) are skipped
-        past_diagonal = any(t * 32 >= pos + 16 for t in range(max_pages * P // 32))
-        assert (r.counters.commands_skipped > 0) == past_diagonal
+        # KV tiles wholly past a q tile's diagonal (its last row: pos + q0 + 15) are
+        # skipped; masks run on the live tiles a mask changes only, by runtime predicates:
+        # the causal one where the tile's last key is past the q tile's first row, the
+        # length one where it is past valid_len (0, 1 or 2 mask commands per tile and head)
+        live = masks = 0
+        for q0 in range(0, chunk, 16):
+            for c0 in range(0, max_pages * P, 32):
+                if c0 < pos + q0 + 16:
+                    live += 1
+                    masks += (c0 + 31 > pos + q0) + (c0 + 32 > length)
+        ran = [prog.commands[e.index] for e in r.trace]
+        assert sum(isinstance(c, Mma) and c.transpose_b for c in ran) == live * hq
+        assert sum(isinstance(c, Vector) and c.op == "mask" for c in ran) == masks * hq
     # every (q tile, KV tile) is in the static program, predicated at run time
     _check_row_sums(prog, hq * (chunk // 16) * (max_pages * P // 32), rowsum_mma)
 
