@@ -1,7 +1,7 @@
 """Decoder families on the NPU: what is recognised, what runs where, and whether the answer
 is right.
 
-For every tiny with-past export of tests/data (Llama, Qwen2, GPT-2, Gemma, Phi-3,
+For every tiny with-past export of tests/data (Llama, Qwen2, GPT-2, Gemma, Phi-3, Granite,
 GPT-NeoX; see tests/data/README.md) and any ``--model`` given:
 
 - ``coverage_pct`` / ``npu_share_pct``: FLOPs in recognised regions / in regions that run
@@ -35,7 +35,7 @@ from edgetvm.session import NPUSession
 from report import write_json
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
-FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox")
+FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite")
 PROMPT = [5, 17, 42, 7]
 
 

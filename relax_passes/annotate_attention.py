@@ -39,7 +39,7 @@ def attention_patterns() -> list[RegionPattern]:
     merged = call("relax.reshape", out)
     annotations = {
         "q": q, "k": k, "v": v, "mask": mask, "out": out,
-        "s_mul": s_mul, "s_div": s_div, "s_q": s_q, "s_k": s_k,
+        "s_mul": s_mul, "s_div": s_div, "s_q": s_q, "s_k": s_k, "reshaped": merged,
     }
 
     def check(m, _ctx):
@@ -47,6 +47,12 @@ def attention_patterns() -> list[RegionPattern]:
 
     def attrs(m, merges_heads):
         _, heads, q_len, head_dim = static_shape(m["q"])
+        if "reshaped" in m:
+            # a reshape with no transpose merges (batch, heads, seq, d) into (batch, seq,
+            # heads * d) only where one of heads and seq is 1 (a decode-only export folded
+            # to one token); Falcon's reshape to (batch, heads, seq, d) keeps the heads
+            shape = static_shape(m["reshaped"])
+            merges_heads = len(shape) == 3 and (q_len == 1 or heads == 1)
         _, kv_heads, kv_len, _ = static_shape(m["k"])
         if "s_mul" in m:
             scale = scalar_value(m["s_mul"])

@@ -215,6 +215,8 @@ def add_te(a, b, name: str = "add"):
 def scale_te(x, imm: float, name: str = "scale"):
     """``x * imm`` with a constant ``imm`` (Gemma's embedding scale)."""
     m, n = (int(s) for s in x.shape)
+    if float(imm) == 1.0:          # x * 1 folds to x: no constant left for the mul's imm
+        return copy_te(x, name=name)
     return te.compute((m, n), lambda i, j: (x[i, j].astype(F32) * tirx.const(imm, F32))
                       .astype(x.dtype), name=name, attrs=_op("vector:mul"))
 

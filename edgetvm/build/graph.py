@@ -170,7 +170,7 @@ class Tup:
 _GLUE = {"relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.expand_dims",
          "relax.squeeze", "relax.astype", "relax.split", "relax.flatten"}
 #: elementwise host ops on device values that have an NPU stage
-_ELEMENTWISE = {"relax.add", "relax.multiply", "relax.subtract"}
+_ELEMENTWISE = {"relax.add", "relax.multiply", "relax.subtract", "relax.divide"}
 _POSITION_INPUTS = ("position_ids", "attention_mask")
 
 
@@ -250,7 +250,8 @@ class _Extractor:
         for p in self.main.params:
             self.env[p] = self._param_value(p)
         logits_var = self._logits_var()
-        self.logits_producer = self.defs.get(logits_var)
+        self.logits_chain = self._logits_chain(logits_var)
+        self.logits_producer = self.defs.get(self.logits_chain[-1])
         for blk in self.main.body.blocks:
             for b in blk.bindings:
                 try:
@@ -293,6 +294,21 @@ class _Extractor:
         out = self.defs.get(body, body) if isinstance(body, relax.Var) else body
         fields = out.fields if isinstance(out, relax.Tuple) else [out]
         return fields[0]
+
+    def _logits_chain(self, var) -> list:
+        """The logits var, then each var it is scaled from (Granite's ``logits / c``), up to
+        the one an NPU kernel (the lm_head) returns: these are row-local, so when only the
+        last row's logits are read, each is computed for that row alone."""
+        chain = [var]
+        while True:
+            value = self.defs.get(chain[-1])
+            if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and
+                    value.op.name in _ELEMENTWISE | {"relax.astype"}):
+                return chain
+            dev = [a for a in value.args if isinstance(a, relax.Var)]
+            if len(dev) != 1:
+                return chain
+            chain.append(dev[0])
 
     def _param_value(self, p):
         name = p.name
@@ -402,17 +418,28 @@ class _Extractor:
     # -- host arithmetic with an NPU stage ---------------------------------------------------
     def _elementwise(self, var, name, args):
         out_shape = self.shape(var.ty, var.name)
+        if self.logits_rows == "last" and var in self.logits_chain[:-1]:
+            out_shape = (1,) * (len(out_shape) - 1) + (out_shape[-1],)   # the last row's
         rows = int(np.prod(out_shape[:-1], dtype=np.int64)) if len(out_shape) > 1 else 1
         cols = out_shape[-1]
-        if name == "relax.multiply" or name == "relax.subtract":
+        if name != "relax.add":
             dev = [a for a in args if isinstance(a, Dev)]
             const = [a for a in args if isinstance(a, Const)]
-            if name == "relax.multiply" and len(dev) == 1 and len(const) == 1 and \
-                    const[0].value.size == 1:
+            scalar = len(dev) == 1 and len(const) == 1 and const[0].value.size == 1
+            # x * c, c * x and x / c (Granite's logits_scaling, Gemma-2's soft-cap) scale x
+            if scalar and (name == "relax.multiply" or
+                           (name == "relax.divide" and args[0] is dev[0])):
+                c = float(const[0].value.reshape(()))
+                if name == "relax.divide":
+                    if c == 0.0:
+                        raise BuildError(f"{var.name} = divide by the constant 0")
+                    c = 1.0 / c
+                same = dev[0].view.reshape(out_shape) if c == 1.0 else None
+                if same is not None:                  # x * 1 (a multiplier set to 1)
+                    return Dev(same)
                 x = self.rows_view(dev[0].view, rows, cols, var.name)
                 out = self.new_tensor(f"{var.name}", (rows, cols))
-                self._stage(Stage("scale", ("x",), "y", {"imm": float(const[0].value.reshape(()))}),
-                            {"x": x}, out, var.name)
+                self._stage(Stage("scale", ("x",), "y", {"imm": c}), {"x": x}, out, var.name)
                 return Dev(out.reshape(out_shape))
             raise BuildError(f"{var.name} = {name}: only a scaling by a scalar constant has an "
                              f"NPU stage")

@@ -102,7 +102,9 @@ class ModelRunner:
         res = self.runner.run(program, {}, params, profile=self.profile, trace=trace)
         if trace:
             self.traced = (key, res)
-        logits = np.asarray(res.outputs["logits"], np.float32).reshape(-1, self.info.vocab)[-1]
+        logits = np.asarray(res.outputs["logits"], np.float32).reshape(-1, self.info.vocab)
+        # one row (the last token's), or one per row of the bucket: the last token's is s - 1
+        logits = logits[0] if len(logits) == 1 else logits[s - 1]
         self.kv.length = pos + s
         return logits, res.counters, key
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad   # TVM 0.27: what tirx.BufferLoad(...) builds
 from tvm.tirx.buffer import BufferType
 
 from edgetvm.errors import CandidateRejected
@@ -91,13 +92,16 @@ def _ann(annotations, key, default=None):
     return str(v) if not isinstance(v, (int, float)) else v
 
 
-def _float_imms(node) -> list:
-    """Float constants of a leaf block's body, in expression order (the vector op's imm)."""
-    found = []
+def _leaves(node) -> tuple:
+    """(float constants, number of buffer loads) of a leaf block's body, the constants in
+    expression order (the vector op's imm)."""
+    found, loads = [], []
 
     def visit(e):
         if isinstance(e, tirx.FloatImm):
             found.append(float(e.value))
+        elif isinstance(e, TensorLoad):
+            loads.append(e)
         elif isinstance(e, tirx.BufferStore):
             visit(e.value)
         elif isinstance(e, tirx.SeqStmt):
@@ -110,7 +114,7 @@ def _float_imms(node) -> list:
             for arg in getattr(e, "args", ()) or ():
                 visit(arg)
     visit(node)
-    return found
+    return found, len(loads)
 
 
 class Interpreter:
@@ -268,7 +272,7 @@ class Interpreter:
             attrs["accumulate"] = self._accumulates(block, env_min)
             attrs["transpose_b"] = self._b_is_nk(block, reads, env_min)
         if kind == "vector":
-            imms = _float_imms(block.body)
+            imms, attrs["loads"] = _leaves(block.body)
             attrs["imm"] = imms[0] if imms else None
             if "npu.imm" in loop.annotations:        # when the body has several constants
                 attrs["imm"] = float(_ann(loop.annotations, "npu.imm"))

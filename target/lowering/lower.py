@@ -309,6 +309,10 @@ def _vector(op, tcm) -> Vector:
     dst = ref(op.writes[0])
     srcs = tuple(ref(r) for r in op.reads)
     if VECTOR_OP_ARITY.get(op.op) == 2 and len(srcs) == 1 and op.attrs.get("imm") is None:
+        if op.attrs.get("loads", 2) < 2:
+            # x * 1.0 or x + 0.0 simplified to x: neither x * x nor a constant to take
+            raise CandidateRejected(f"vector {op.op} on {op.writes[0].buffer.name!r} has one "
+                                    f"operand and no constant (folded away?)")
         srcs = srcs * 2          # x * x: the block reads one buffer twice
     if op.op.startswith("reduce_"):
         rows = srcs[0].shape[0]

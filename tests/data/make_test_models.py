@@ -5,7 +5,9 @@ of the shared tiny-zoo tool (tools/models/make_tiny_zoo.sh) plus ``pip install o
     python tests/data/make_test_models.py ZOO_DIR
 
 ZOO_DIR is the output of ``make_tiny_zoo.sh ZOO_DIR``: its ``<family>_tiny_with_past.onnx``
-files are copied as they are, and its Llama checkpoint (``.work/hf_llama``: 2 layers, hidden
+files are copied as they are; ``granite_tiny_with_past.onnx`` and
+``falcon_tiny_with_past.onnx`` (families the zoo tool does not make) are exported here the
+same way; and its Llama checkpoint (``.work/hf_llama``: 2 layers, hidden
 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random weights,
 ``torch.manual_seed(0)``) is exported again in the other spellings the front end meets:
 
@@ -51,12 +53,52 @@ def fold(src, dst, seq, past):
     onnx.save(onnxslim.slim(src, input_shapes=shapes), dst)
 
 
+def _export(work, family, config):
+    """``config`` as the zoo tool makes its families: random weights from
+    ``torch.manual_seed(0)``, optimum's with-past export, as ``<family>_tiny_with_past.onnx``."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    hf = os.path.join(work, f"hf_{family}")
+    out = os.path.join(work, f"onnx_{family}")
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(hf)
+    cli = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
+    subprocess.run([cli, "export", "onnx", "-m", hf, "--task", "text-generation-with-past",
+                    out], check=True)
+    onnx.save(onnx.load(os.path.join(out, "model.onnx")),
+              os.path.join(HERE, f"{family}_tiny_with_past.onnx"))
+
+
+def export_granite(work):
+    """Granite: Llama's shape (2 layers, hidden 64, 4 query / 2 KV heads) with its four
+    multipliers, untied lm_head."""
+    import transformers
+    _export(work, "granite", transformers.GraniteConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False, embedding_multiplier=4.0, residual_multiplier=0.5,
+        attention_multiplier=0.125, logits_scaling=2.0))
+
+
+def export_falcon(work):
+    """Falcon (the 7B's layout): multi-query attention, parallel attention and MLP from one
+    LayerNorm, rotary, no biases."""
+    import transformers
+    _export(work, "falcon", transformers.FalconConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, new_decoder_architecture=False, multi_query=True,
+        parallel_attn=True, alibi=False, bias=False, bos_token_id=1, eos_token_id=2))
+
+
 def main(zoo):
     import torch
     import transformers
     for fam in FAMILIES:
         shutil.copy(os.path.join(zoo, f"{fam}_tiny_with_past.onnx"),
                     os.path.join(HERE, f"{fam}_tiny_with_past.onnx"))
+    export_granite(os.path.join(zoo, ".work"))
+    export_falcon(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

@@ -27,7 +27,7 @@ DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 PROMPT = [5, 17, 42, 7]
 NEW_TOKENS = 16               # 4 + 16 tokens: the cache crosses its first 16-token page
 MAX_TOKENS = 128
-FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox")
+FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite")
 
 _compilers: dict = {}
 
@@ -53,11 +53,11 @@ def _runner(mc):
                        info, LocalRunner(mc.spec), page_pool=pool)
 
 
-def _check(family, strategy, chunk=None, path=None, mc=None):
+def _check(family, strategy, chunk=None, path=None, mc=None, prompt=PROMPT):
     mc = mc or _compiler(family, strategy, path)
     ref_run, names, kv = onnxruntime_model(path or _path(family))
-    want, calls = greedy_loop(ref_run, names, kv, PROMPT, NEW_TOKENS, chunk)
-    recs = _runner(mc).generate(PROMPT, NEW_TOKENS, chunk=chunk)
+    want, calls = greedy_loop(ref_run, names, kv, prompt, NEW_TOKENS, chunk)
+    recs = _runner(mc).generate(prompt, NEW_TOKENS, chunk=chunk)
     got = [r.token for r in recs if r.token >= 0]
     assert got == want, (family, strategy)
     assert len(recs) == len(calls)
@@ -72,6 +72,34 @@ def _check(family, strategy, chunk=None, path=None, mc=None):
 def test_every_family_token_exact_with_region_kernels(family):
     recs = _check(family, "regions")
     assert all(r.npu_cycles > 0 and r.dram_read_bytes > 0 for r in recs)
+
+
+def test_a_model_whose_attention_stays_on_the_host_is_refused_not_miscompiled():
+    # Falcon's attention keeps its heads (test_families.py): the host would have to run
+    # it between NPU kernels, which a phase program cannot; the build says so
+    from edgetvm.build.graph import BuildError
+    mc = ModelCompiler(str(_path("falcon")), max_tokens=MAX_TOKENS, max_rows=16)
+    with pytest.raises(BuildError, match="no NPU kernel.*--reference"):
+        mc.program("decode", 1, 1)
+
+
+@pytest.mark.parametrize("strategy", ["regions", "mega"])
+def test_ops_after_the_lm_head_run_on_the_last_prompt_row_only(strategy):
+    """Granite divides the logits by ``logits_scaling`` after the lm_head. A prompt of 5
+    tokens runs in the 8-row bucket (rows 5..7 padding): the prefill computes the lm_head
+    and the division for row 4 alone, and that row is the one read. (Computed for every
+    row, the step would spend its largest linear on logits nobody reads; read from the
+    bucket's last row, the answer would be a padding row's.)"""
+    mc = _compiler("granite", strategy)
+    g = mc.graph("prefill", 8, 1)
+    linears = [op for op in g.ops if op.kind == "stage" and op.stage.op.startswith("linear")]
+    lm_head = linears[-1]
+    assert lm_head.outputs["y"].shape == (1, 512)
+    (scale,) = [op for op in g.ops if op.kind == "stage" and op.stage.op == "scale" and
+                op.inputs["x"].tensor == lm_head.outputs["y"].tensor]
+    assert scale.stage.attrs["imm"] == 0.5 and scale.outputs["y"].tensor == "logits"
+    assert g.tensors["logits"].shape == (1, 512)
+    _check("granite", strategy, prompt=[5, 17, 42, 7, 9])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edgetvm.generate import KVSpec, StepRecord, greedy, tokens_of
-from edgetvm.run import compare_logits, main
+from edgetvm.run import compare_logits, divergence, main
 from edgetvm.runtime.model import ModelRunner
 from edgetvm.session import NPUSession
 
@@ -46,6 +46,29 @@ def test_compare_logits_fails_if_any_step_fails_and_reports_it():
     got = [_rec([1.0, 0.0]), _rec([1.0, 0.3]), _rec([1.0, 0.001])]
     ok, worst, allowed = compare_logits(got, ref, 0.01, 0.01)
     assert not ok and worst == pytest.approx(0.3) and allowed == pytest.approx(0.02)
+
+
+def _tok(token, logits):
+    return StepRecord("decode", token, 1, 0, logits=np.asarray(logits, np.float32))
+
+
+def test_divergence_finds_the_first_differing_token_and_tells_a_near_tie():
+    ref = [_tok(-1, [0, 0, 0]), _tok(0, [3.0, 1.0, 0.0]), _tok(2, [0.0, 1.0, 2.0]),
+           _tok(1, [0.0, 5.0, 0.0])]
+    # ids 0, 1, ...: the second token differs; onnxruntime's logit of 1 is 1.0 below 2
+    got = [_tok(-1, [9, 9, 9]), _tok(0, [3.0, 1.0, 0.0]), _tok(1, [0.0, 2.0, 1.5]),
+           _tok(0, [9.0, 0.0, 0.0])]
+    assert divergence(ref, ref, 0.01, 0.01) is None
+    k, tok, want, margin, diff, tol = divergence(got, ref, 0.01, 0.01)
+    assert (k, tok, want) == (1, 1, 2)
+    assert margin == pytest.approx(1.0) and diff == pytest.approx(1.0)
+    assert tol == pytest.approx(0.01 + 0.01 * 2.0)      # a real difference, not a tie
+    near = [_tok(0, [3.0, 1.0, 0.0]), _tok(1, [0.0, 2.0, 2.005])]
+    k, tok, want, margin, diff, tol = divergence(near, ref, 0.01, 0.01)
+    assert (k, tok, want) == (1, 1, 2) and margin == pytest.approx(1.0)
+    ref_tie = [ref[1], _tok(2, [0.0, 2.0, 2.001])]
+    k, tok, want, margin, diff, tol = divergence(near, ref_tie, 0.01, 0.01)
+    assert margin == pytest.approx(0.001, abs=1e-6) and margin <= tol and diff <= tol
 
 
 class _FakeModel:

@@ -323,3 +323,32 @@ def test_tcm_fresh_buffers_let_the_next_stage_prefetch_and_change_nothing_else()
     tight = SPEC.replace(tcm_bytes=shared.tcm_bytes)
     assert program_format.dumps(_lower(cluster, d, spec=tight, tcm_fresh=1, **knobs)) == \
         program_format.dumps(_lower(cluster, d, spec=tight, tcm_fresh=0, **knobs))
+
+
+@pytest.mark.parametrize("imm", [1.0, 0.5, -3.0])
+def test_scale_by_a_constant_including_one(imm):
+    # TVM folds x * 1.0 to x: a mul with one operand and no constant left would lower as
+    # x * x (how a square reads one buffer twice); Granite's multipliers may be 1
+    c = FusionCluster("scale", {"x": ((5, 96), "float16")},
+                      [Stage("scale", ("x",), "y", {"imm": imm})], ("y",), ())
+    d = {"x": np.random.default_rng(3).standard_normal((5, 96)).astype(np.float16)}
+    _, res = _run(c, d, tile_m=2, slots_in=2, slots_out=2, dma_split=0)
+    np.testing.assert_array_equal(res.outputs["y"].astype(F32),
+                                  (d["x"].astype(F32) * imm).astype(np.float16).astype(F32))
+
+
+def test_a_vector_op_whose_constant_folded_away_is_refused_not_squared(monkeypatch):
+    from tvm import te, tirx
+
+    def mul_by_one(x, imm, name="scale"):
+        m, n = (int(s) for s in x.shape)
+        one = tirx.const(1.0, "float32")
+        return te.compute((m, n), lambda i, j: (x[i, j].astype("float32") * one)
+                          .astype(x.dtype), name=name, attrs={"npu.op": "vector:mul"})
+
+    monkeypatch.setitem(fused.PIECES, "scale", mul_by_one)
+    c = FusionCluster("scale", {"x": ((4, 64), "float16")},
+                      [Stage("scale", ("x",), "y", {"imm": 1.0})], ("y",), ())
+    d = {"x": np.ones((4, 64), np.float16)}
+    with pytest.raises(CandidateRejected, match="no constant"):
+        _lower(c, d, tile_m=1, slots_in=1, slots_out=1, dma_split=0)
