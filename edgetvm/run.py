@@ -14,8 +14,9 @@ NPU region its own kernel and emulator run, the glue on the host).
 back as past) and fails unless the generated ids are identical and every step's logits
 agree within ``atol + rtol * max|reference logits|`` (fp16 activations on the NPU vs fp32
 onnxruntime); where the ids part, the steps after it (each side on its own tokens) are not
-compared, and it says whether that step was a near-tie (:func:`divergence`). ``--chunk C`` runs the prompt as chunked prefill (chunks of C tokens, each
-attending to the KV of the earlier ones).
+compared, and it says whether that step was a near-tie (:func:`divergence`). ``--chunk C``
+runs the prompt as chunked prefill (chunks of C tokens, each attending to the KV of the
+earlier ones).
 """
 from __future__ import annotations
 
@@ -290,7 +291,7 @@ def _report(recs, args) -> int:
                                         args.atol, args.rtol)
     print(f"onnxruntime ids: {','.join(map(str, tokens_of(ref)))}")
     print(f"check-onnx: ids {'identical' if same else 'DIFFER'}; worst step"
-          f"{'' if same else f' up to the first difference'}: max |logits diff| "
+          f"{'' if same else ' up to the first difference'}: max |logits diff| "
           f"{worst:.3e}, allowed {allowed:.3e} (atol {args.atol} + rtol {args.rtol} * "
           f"max|logit|)")
     if not same:

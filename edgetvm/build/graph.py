@@ -426,7 +426,7 @@ class _Extractor:
             dev = [a for a in args if isinstance(a, Dev)]
             const = [a for a in args if isinstance(a, Const)]
             scalar = len(dev) == 1 and len(const) == 1 and const[0].value.size == 1
-            # x * c, c * x and x / c (Granite's logits_scaling, Gemma-2's soft-cap) scale x
+            # x * c, c * x and x / c (Granite's multipliers and logits_scaling) scale x
             if scalar and (name == "relax.multiply" or
                            (name == "relax.divide" and args[0] is dev[0])):
                 c = float(const[0].value.reshape(()))
