@@ -1,8 +1,8 @@
 """Decoder families on the NPU: what is recognised, what runs where, and whether the answer
 is right.
 
-For every tiny with-past export of tests/data (Llama, Qwen2, GPT-2, Gemma, Phi-3, Granite,
-GPT-NeoX; see tests/data/README.md) and any ``--model`` given:
+For every tiny with-past export of tests/data (Llama, Qwen2, GPT-2, Gemma, Phi-3, GPT-NeoX,
+Granite, OPT, Falcon; see tests/data/README.md) and any ``--model`` given:
 
 - ``coverage_pct`` / ``npu_share_pct``: FLOPs in recognised regions / in regions that run
   on the NPU, over all FLOPs of a decode step at the KV capacity (``python -m
@@ -35,7 +35,7 @@ from edgetvm.session import NPUSession
 from report import write_json
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
-FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite")
+FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "falcon")
 PROMPT = [5, 17, 42, 7]
 
 

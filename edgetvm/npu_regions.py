@@ -191,9 +191,13 @@ def _activation_stage(attrs, gate: str, up: str | None, out: str) -> Stage:
     act = attrs.get("edgetvm.activation")
     approx = {"approximate": "tanh" if act == "gelu_tanh" else "none"}
     if up is None:
+        if act == "relu":
+            return Stage("relu", (gate,), out)
         if act not in ("gelu", "gelu_tanh"):
             raise EdgeTVMError(f"no NPU kernel for an ungated {act!r} activation")
         return Stage("gelu", (gate,), out, approx)
+    if act == "relu":
+        raise EdgeTVMError("no NPU kernel for a gated ReLU")
     if act == "silu":
         return Stage("silu_mul", (gate, up), out)
     return Stage("gelu_mul", (gate, up), out, approx)
@@ -330,20 +334,18 @@ def _offloadable(region) -> bool:
             return False
         if kind == "mlp":
             _mlp_roles(region, lins)
-            return attrs.get("edgetvm.activation") in ("silu", "gelu", "gelu_tanh") and (
-                attrs.get("edgetvm.gated") == "1" or attrs.get("edgetvm.activation") != "silu")
+            return _has_activation_kernel(attrs)
         return True
     if kind == "activation":
         gated = attrs.get("edgetvm.gated") == "1"
-        return len(region.runtime_positions) == (2 if gated else 1) and \
-            (gated or attrs.get("edgetvm.activation") != "silu")
+        return _tensor_inputs(region) == (2 if gated else 1) and _has_activation_kernel(attrs)
     if kind == "rms_norm":
-        return len(region.runtime_positions) == 1
+        return _tensor_inputs(region) == 1
     if kind == "layer_norm":
         layer_norm_params(region)
-        return len(region.runtime_positions) == 1
+        return _tensor_inputs(region) == 1
     if kind == "residual_add":
-        return len(region.runtime_positions) == 2
+        return _tensor_inputs(region) == 2
     if kind == "embedding":
         tables = [v for v in a if v is not None and np.ndim(v) == 2 and v.dtype.kind == "f"]
         return len(tables) == 1
@@ -357,6 +359,21 @@ def _offloadable(region) -> bool:
         return region.attrs.get("edgetvm.merges_heads") == "1" and _softmax_last_axis(region) \
             and ("mask" in attention_roles(region.func) or attrs.get("edgetvm.q_len") == "1")
     return False
+
+
+def _has_activation_kernel(attrs) -> bool:
+    """Is there an NPU stage for the region's activation (:func:`_activation_stage`)? SiLU
+    only gated (SwiGLU), ReLU only ungated, GELU either way."""
+    act, gated = attrs.get("edgetvm.activation"), attrs.get("edgetvm.gated") == "1"
+    return act in ("gelu", "gelu_tanh") or (act == "silu" and gated) or \
+        (act == "relu" and not gated)
+
+
+def _tensor_inputs(region) -> int:
+    """How many runtime inputs of the region are tensors (not the shape values of symbolic
+    dimensions: OPT's (batch * seq, hidden) rows pass ``tir_vars``)."""
+    return sum(isinstance(region.func.params[p].ty, tvm.relax.TensorType)
+               for p in region.runtime_positions)
 
 
 def _softmax_last_axis(region) -> bool:

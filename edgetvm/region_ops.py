@@ -21,7 +21,7 @@ from edgetvm.relax_passes._fusion import depends_on
 _CALL_TIR = "relax.call_tir"
 #: ops that only an activation function uses inside an MLP region
 ACTIVATION_OPS = frozenset({"relax.sigmoid", "relax.nn.silu", "relax.tanh", "relax.erf",
-                            "relax.nn.gelu", "relax.nn.gelu_tanh"})
+                            "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.relu"})
 
 
 def op_name(value) -> str:

@@ -1,4 +1,4 @@
-"""Patterns of the MLP activations (SiLU, GELU erf form, GELU tanh approximation) in the
+"""Patterns of the MLP activations (SiLU, GELU erf form, GELU tanh approximation, ReLU) in the
 spellings ONNX exporters produce, shared by the MLP and activation passes.
 
 Each pattern function returns ``(pattern, annotations)``; the annotation that matched tells
@@ -19,6 +19,12 @@ def silu(g):
     """``g * sigmoid(g)`` or ``nn.silu(g)``."""
     p = call("relax.multiply", g, call("relax.sigmoid", g)) | call("relax.nn.silu", g)
     return p, {"act_silu": p}
+
+
+def relu(u):
+    """``nn.relu(u)`` (OPT's MLP)."""
+    p = call("relax.nn.relu", u)
+    return p, {"act_relu": p}
 
 
 def gelu_tanh(u):
@@ -65,9 +71,9 @@ def activation_constants_ok(matched: dict) -> bool:
     return True
 
 
-def activation(x, functions=("silu", "gelu", "gelu_tanh")):
+def activation(x, functions=("silu", "gelu", "gelu_tanh", "relu")):
     """Any of ``functions`` applied to ``x``; returns (pattern, annotations)."""
-    makers = {"silu": silu, "gelu": gelu_erf, "gelu_tanh": gelu_tanh}
+    makers = {"silu": silu, "gelu": gelu_erf, "gelu_tanh": gelu_tanh, "relu": relu}
     pattern, annotations = None, {}
     for name in functions:
         p, ann = makers[name](x)
@@ -77,8 +83,9 @@ def activation(x, functions=("silu", "gelu", "gelu_tanh")):
 
 
 def activation_name(matched: dict) -> str:
-    """``"silu"``, ``"gelu"`` (erf) or ``"gelu_tanh"``: which activation pattern matched."""
-    for key in ("act_gelu_tanh", "act_gelu", "act_silu"):
+    """``"silu"``, ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"relu"``: which activation pattern
+    matched."""
+    for key in ("act_gelu_tanh", "act_gelu", "act_silu", "act_relu"):
         if key in matched:
             return key[len("act_"):]
     raise ValueError("no activation in the match")

@@ -37,7 +37,7 @@ class AnnotateActivation:
 
     Architectures whose MLP the block pattern does not see (Phi-3 computes gate and up in
     one projection and slices them apart) still get their activation on the vector unit.
-    Attributes: ``activation`` (``silu``, ``gelu``, ``gelu_tanh``), ``gated`` (``act(a) *
+    Attributes: ``activation`` (``silu``, ``gelu``, ``gelu_tanh``, ``relu``), ``gated`` (``act(a) *
     b``), ``width``.
     """
 

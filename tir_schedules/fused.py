@@ -70,6 +70,7 @@ PIECES = {
     "rope": W.rope_te,
     "silu_mul": W.silu_mul_te,
     "gelu": W.gelu_te,
+    "relu": W.relu_te,
     "gelu_mul": W.gelu_mul_te,
     "bias_add": W.bias_add_te,
     "softmax": W.softmax_te,

@@ -178,6 +178,13 @@ def gelu_te(x, approximate: str = "none", name: str = "gelu"):
                       .astype(x.dtype), name=name, attrs=_op(op))
 
 
+def relu_te(x, name: str = "relu"):
+    """``max(x, 0)`` (OPT's MLP): one vector ``max`` with the immediate 0."""
+    m, n = (int(s) for s in x.shape)
+    return te.compute((m, n), lambda i, j: tirx.max(x[i, j], tirx.const(0.0, x.dtype)),
+                      name=name, attrs=_op("vector:max"))
+
+
 def gelu_mul_te(g, u, approximate: str = "none", name: str = "gelu_mul"):
     """``gelu(g) * u`` (GeGLU, Gemma's gated MLP); fp32 between the two ops."""
     m, n = (int(s) for s in g.shape)

@@ -5,9 +5,9 @@ of the shared tiny-zoo tool (tools/models/make_tiny_zoo.sh) plus ``pip install o
     python tests/data/make_test_models.py ZOO_DIR
 
 ZOO_DIR is the output of ``make_tiny_zoo.sh ZOO_DIR``: its ``<family>_tiny_with_past.onnx``
-files are copied as they are; ``granite_tiny_with_past.onnx`` and
-``falcon_tiny_with_past.onnx`` (families the zoo tool does not make) are exported here the
-same way; and its Llama checkpoint (``.work/hf_llama``: 2 layers, hidden
+files are copied as they are; ``granite_tiny_with_past.onnx``,
+``falcon_tiny_with_past.onnx`` and ``opt_tiny_with_past.onnx`` (families the zoo tool does
+not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2 layers, hidden
 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random weights,
 ``torch.manual_seed(0)``) is exported again in the other spellings the front end meets:
 
@@ -91,6 +91,17 @@ def export_falcon(work):
         parallel_attn=True, alibi=False, bias=False, bos_token_id=1, eos_token_id=2))
 
 
+def export_opt(work):
+    """OPT: learned positions (offset 2) added to the embeddings, LayerNorm before each
+    block, q scaled before q @ k^T, a ReLU MLP with biases, rows flattened to
+    (batch * seq, hidden) around the MLP."""
+    import transformers
+    _export(work, "opt", transformers.OPTConfig(
+        init_std=0.2, vocab_size=512, hidden_size=64, ffn_dim=160, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64,
+        pad_token_id=1, bos_token_id=2, eos_token_id=2))
+
+
 def main(zoo):
     import torch
     import transformers
@@ -99,6 +110,7 @@ def main(zoo):
                     os.path.join(HERE, f"{fam}_tiny_with_past.onnx"))
     export_granite(os.path.join(zoo, ".work"))
     export_falcon(os.path.join(zoo, ".work"))
+    export_opt(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

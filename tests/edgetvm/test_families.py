@@ -15,6 +15,7 @@ logits up to ~5 (``python -m edgetvm.run tests/data/<family>_tiny_with_past.onnx
 ``0.01 + 0.01 * max|reference logits|`` per step.
 """
 import pathlib
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -104,6 +105,16 @@ def test_falcon_attention_that_keeps_its_heads_stays_on_the_host():
     assert "attention" not in kinds
     assert {"layer_norm", "linear", "mlp", "rope", "kv_append", "lm_head"} <= kinds
     _check_against_reference("falcon", session)
+
+
+def test_opt_relu_mlp_and_flattened_rows_on_the_npu():
+    # OPT: a ReLU MLP (an NPU ``max`` with 0), and norms and residual adds over rows
+    # flattened to (batch * seq, hidden), whose regions take the symbolic row count as a
+    # shape argument besides their tensors: all of them on the NPU, not the host
+    session = _npu_session("opt")
+    on_npu = Counter(r.kind for r in session.regions)
+    assert on_npu["mlp"] == 2 and on_npu["layer_norm"] == 5 and on_npu["residual_add"] == 4
+    _check_against_reference("opt", session)
 
 
 def test_chunked_prefill_partial_rotary():

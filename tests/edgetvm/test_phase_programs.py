@@ -27,7 +27,7 @@ DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 PROMPT = [5, 17, 42, 7]
 NEW_TOKENS = 16               # 4 + 16 tokens: the cache crosses its first 16-token page
 MAX_TOKENS = 128
-FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite")
+FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt")
 
 _compilers: dict = {}
 

@@ -352,3 +352,12 @@ def test_a_vector_op_whose_constant_folded_away_is_refused_not_squared(monkeypat
     d = {"x": np.ones((4, 64), np.float16)}
     with pytest.raises(CandidateRejected, match="no constant"):
         _lower(c, d, tile_m=1, slots_in=1, slots_out=1, dma_split=0)
+
+
+def test_relu_cluster():
+    # OPT's MLP activation: max(x, 0) as one vector op with the immediate 0
+    c = FusionCluster("relu", {"x": ((6, 80), "float16")}, [Stage("relu", ("x",), "y")],
+                      ("y",), ())
+    d = {"x": np.random.default_rng(4).standard_normal((6, 80)).astype(np.float16)}
+    _, res = _run(c, d, tile_m=4, slots_in=2, slots_out=2, dma_split=1)
+    np.testing.assert_array_equal(res.outputs["y"], np.where(d["x"] > 0, d["x"], 0))
