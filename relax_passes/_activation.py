@@ -1,5 +1,5 @@
-"""Patterns of the MLP activations (SiLU, GELU erf form, GELU tanh approximation, ReLU) in the
-spellings ONNX exporters produce, shared by the MLP and activation passes.
+"""Patterns of the MLP activations (SiLU, GELU erf form, GELU tanh approximation, ReLU) in
+the spellings ONNX exporters produce, shared by the MLP and activation passes.
 
 Each pattern function returns ``(pattern, annotations)``; the annotation that matched tells
 which function it was (:func:`activation_name`). Relax's pattern matcher tries both operand

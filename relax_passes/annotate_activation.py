@@ -37,8 +37,8 @@ class AnnotateActivation:
 
     Architectures whose MLP the block pattern does not see (Phi-3 computes gate and up in
     one projection and slices them apart) still get their activation on the vector unit.
-    Attributes: ``activation`` (``silu``, ``gelu``, ``gelu_tanh``, ``relu``), ``gated`` (``act(a) *
-    b``), ``width``.
+    Attributes: ``activation`` (``silu``, ``gelu``, ``gelu_tanh``, ``relu``), ``gated``
+    (``act(a) * b``), ``width``.
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:

@@ -52,7 +52,7 @@ def attention_patterns() -> list[RegionPattern]:
             # heads * d) only where one of heads and seq is 1 (a decode-only export folded
             # to one token); Falcon's reshape to (batch, heads, seq, d) keeps the heads
             shape = static_shape(m["reshaped"])
-            merges_heads = len(shape) == 3 and (q_len == 1 or heads == 1)
+            merges_heads = len(shape) in (2, 3) and (q_len == 1 or heads == 1)
         _, kv_heads, kv_len, _ = static_shape(m["k"])
         if "s_mul" in m:
             scale = scalar_value(m["s_mul"])

@@ -7,9 +7,10 @@ of the shared tiny-zoo tool (tools/models/make_tiny_zoo.sh) plus ``pip install o
 ZOO_DIR is the output of ``make_tiny_zoo.sh ZOO_DIR``: its ``<family>_tiny_with_past.onnx``
 files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``falcon_tiny_with_past.onnx`` and ``opt_tiny_with_past.onnx`` (families the zoo tool does
-not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2 layers, hidden
-64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random weights,
-``torch.manual_seed(0)``) is exported again in the other spellings the front end meets:
+not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
+layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
+weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
+meets:
 
 * ``llama_tiny_prefill_dynamic.onnx``: torch.onnx's TorchScript exporter, inputs
   ``input_ids`` and ``attention_mask`` of dynamic (``batch``, ``seq``), no KV inputs;
