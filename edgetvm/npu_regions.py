@@ -189,15 +189,14 @@ def _input_width(lin, region) -> int:
 
 def _activation_stage(attrs, gate: str, up: str | None, out: str) -> Stage:
     act = attrs.get("edgetvm.activation")
+    if not _has_activation_kernel(act, up is not None):
+        raise EdgeTVMError(f"no NPU kernel for {'a gated' if up else 'an ungated'} {act!r} "
+                           f"activation")
     approx = {"approximate": "tanh" if act == "gelu_tanh" else "none"}
-    if up is None:
-        if act == "relu":
-            return Stage("relu", (gate,), out)
-        if act not in ("gelu", "gelu_tanh"):
-            raise EdgeTVMError(f"no NPU kernel for an ungated {act!r} activation")
-        return Stage("gelu", (gate,), out, approx)
     if act == "relu":
-        raise EdgeTVMError("no NPU kernel for a gated ReLU")
+        return Stage("relu", (gate,), out)
+    if up is None:
+        return Stage("gelu", (gate,), out, approx)
     if act == "silu":
         return Stage("silu_mul", (gate, up), out)
     return Stage("gelu_mul", (gate, up), out, approx)
@@ -334,11 +333,13 @@ def _offloadable(region) -> bool:
             return False
         if kind == "mlp":
             _mlp_roles(region, lins)
-            return _has_activation_kernel(attrs)
+            return _has_activation_kernel(attrs.get("edgetvm.activation"),
+                                          attrs.get("edgetvm.gated") == "1")
         return True
     if kind == "activation":
         gated = attrs.get("edgetvm.gated") == "1"
-        return _tensor_inputs(region) == (2 if gated else 1) and _has_activation_kernel(attrs)
+        return _tensor_inputs(region) == (2 if gated else 1) and \
+            _has_activation_kernel(attrs.get("edgetvm.activation"), gated)
     if kind == "rms_norm":
         return _tensor_inputs(region) == 1
     if kind == "layer_norm":
@@ -361,10 +362,9 @@ def _offloadable(region) -> bool:
     return False
 
 
-def _has_activation_kernel(attrs) -> bool:
-    """Is there an NPU stage for the region's activation (:func:`_activation_stage`)? SiLU
-    only gated (SwiGLU), ReLU only ungated, GELU either way."""
-    act, gated = attrs.get("edgetvm.activation"), attrs.get("edgetvm.gated") == "1"
+def _has_activation_kernel(act, gated: bool) -> bool:
+    """Is there an NPU stage for activation ``act`` (:func:`_activation_stage`)? SiLU only
+    gated (SwiGLU), ReLU only ungated, GELU either way."""
     return act in ("gelu", "gelu_tanh") or (act == "silu" and gated) or \
         (act == "relu" and not gated)
 

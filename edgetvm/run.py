@@ -48,11 +48,13 @@ def _ids(text: str) -> list:
     return ids
 
 
-def compare_logits(recs, ref, atol: float, rtol: float) -> tuple:
+def compare_logits(recs, ref, atol: float, rtol: float, steps: int | None = None) -> tuple:
     """(all steps within tolerance, worst diff, its allowance) over the steps that give a
-    token (a prompt may be run in other chunks on each side)."""
+    token (a prompt may be run in other chunks on each side), the first ``steps`` of them
+    if given."""
     ok, worst, allowed = True, 0.0, 0.0
-    for a, b in zip([r for r in recs if r.token >= 0], [r for r in ref if r.token >= 0]):
+    pairs = zip([r for r in recs if r.token >= 0], [r for r in ref if r.token >= 0])
+    for a, b in list(pairs)[:steps]:
         diff = float(np.abs(a.logits - b.logits).max())
         tol = atol + rtol * float(np.abs(b.logits).max())
         ok &= diff <= tol
@@ -282,19 +284,17 @@ def _report(recs, args) -> int:
     onnx_path = args.model if args.check_onnx is True else args.check_onnx
     ref = greedy(onnxruntime_runner(onnx_path), KVSpec.of(onnx_path), args.prompt_ids,
                  args.max_new_tokens, chunk=args.chunk)
-    split = divergence(recs, ref, args.atol, args.rtol)
-    same = split is None
+    same = ids == tokens_of(ref)
+    split = None if same else divergence(recs, ref, args.atol, args.rtol)
     # after the ids part, each side runs on its own tokens: compare the steps up to there
-    n = len(recs) if same else split[0] + 1
-    ok, worst, allowed = compare_logits([r for r in recs if r.token >= 0][:n],
-                                        [r for r in ref if r.token >= 0][:n],
-                                        args.atol, args.rtol)
+    ok, worst, allowed = compare_logits(recs, ref, args.atol, args.rtol,
+                                        steps=None if split is None else split[0] + 1)
     print(f"onnxruntime ids: {','.join(map(str, tokens_of(ref)))}")
     print(f"check-onnx: ids {'identical' if same else 'DIFFER'}; worst step"
           f"{'' if same else ' up to the first difference'}: max |logits diff| "
           f"{worst:.3e}, allowed {allowed:.3e} (atol {args.atol} + rtol {args.rtol} * "
           f"max|logit|)")
-    if not same:
+    if split is not None:
         k, tok, want, margin, diff, tol = split
         print(f"check-onnx: generated token {k} is {tok}, onnxruntime's {want}; "
               f"onnxruntime puts {tok} {margin:.3e} below {want}, and the NPU's logits "

@@ -46,6 +46,9 @@ def test_compare_logits_fails_if_any_step_fails_and_reports_it():
     got = [_rec([1.0, 0.0]), _rec([1.0, 0.3]), _rec([1.0, 0.001])]
     ok, worst, allowed = compare_logits(got, ref, 0.01, 0.01)
     assert not ok and worst == pytest.approx(0.3) and allowed == pytest.approx(0.02)
+    # only the steps before the ids part are compared (steps=1): the first agrees
+    ok, worst, _ = compare_logits(got, ref, 0.01, 0.01, steps=1)
+    assert ok and worst == 0.0
 
 
 def _tok(token, logits):
