@@ -262,8 +262,30 @@ def causal_mask_problem(mask, pos: int, s: int) -> str | None:
     m = np.asarray(mask).reshape(-1, np.shape(mask)[-2], np.shape(mask)[-1])
     if m.shape[-2:] != (s, total):
         return f"mask of shape {np.shape(mask)}, expected (..., {s}, {total})"
-    visible = np.arange(total)[None, :] <= (pos + np.arange(s))[:, None]
+    behind = (pos + np.arange(s))[:, None] - np.arange(total)[None, :]   # query - key
+    visible = behind >= 0
     if np.all(m[:, visible] == 0) and np.all(m[:, ~visible] <= -1e4):
         return None
+    window = sliding_window(m, behind)
+    if window is not None:
+        return (f"the model masks keys more than {window - 1} positions behind the query (a "
+                f"sliding window of {window} tokens); the NPU attention kernel masks by "
+                f"causality only, so a KV cache longer than the window would attend to keys "
+                f"the model hides: build with --max-tokens {window} or less")
     return ("the model adds a bias that is not the causal mask (an additive position bias "
             "such as ALiBi, or padding); the NPU attention kernel masks by causality only")
+
+
+def sliding_window(m, behind) -> int | None:
+    """The window ``w`` when the mask ``m`` (..., s, total) is causal with every key ``w`` or
+    more positions behind its query masked too (``behind``: query - key), else None."""
+    hidden = behind < 0
+    if not np.all(m[:, hidden] <= -1e4):
+        return None
+    masked = np.all(m <= -1e4, axis=0) & ~hidden
+    if not masked.any():
+        return None
+    w = int(behind[masked].min())
+    if np.all(m[:, (behind >= 0) & (behind < w)] == 0) and np.all(m[:, behind >= w] <= -1e4):
+        return w
+    return None

@@ -114,8 +114,10 @@ class NPUSession:
         mod, self.regions = offload_regions(mod, offloadable, prefix, prune=unsound_offloads)
         log.info("offloaded %d regions to the NPU: %s", len(self.regions),
                  dict(Counter(r.kind for r in self.regions)))
+        self._error = None
         for r in self.regions:
-            tvm_ffi.register_global_func(r.symbol, self._region_fn(r), override=True)
+            tvm_ffi.register_global_func(r.symbol, self._keep_error(self._region_fn(r)),
+                                         override=True)
         t0 = time.time()
         mod = relax.transform.DecomposeOpsForInference()(mod)
         self.vm = relax.VirtualMachine(tvm.compile(mod, HOST), tvm.cpu())
@@ -175,10 +177,27 @@ class NPUSession:
                                "the NPU attention masks by length and causality only")
         args = [tvm.runtime.tensor(np.ascontiguousarray(feeds[n])) for n in
                 self.imported.input_names]
-        out = self.vm["main"](*args)
+        self._error = None
+        try:
+            out = self.vm["main"](*args)
+        except Exception:
+            if self._error is not None:      # a region refused: its error, not the VM's
+                raise self._error from None
+            raise
         outs = list(out) if isinstance(out, (tuple, list, tvm_ffi.Array)) else [out]
         return {n: o.numpy() for n, o in zip(self.imported.output_names, outs)}, \
             self.meter.close(self.timeline)
+
+    def _keep_error(self, fn):
+        """``fn`` that remembers the EdgeTVMError it raises: the VM hands the caller a
+        RuntimeError with the callback's traceback instead."""
+        def call(*args):
+            try:
+                return fn(*args)
+            except EdgeTVMError as e:
+                self._error = e
+                raise
+        return call
 
     def _region_fn(self, region):
         special = {"kv_append": self._kv_append_fn, "rope": self._rope_fn,

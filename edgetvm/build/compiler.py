@@ -105,7 +105,8 @@ class ModelCompiler:
                           g.kv_heads, g.head_dim, g.layers, todo)
             self._tables.update(evaluate_positions(self.mod, self.regions, [sub], new_masks,
                                                    self.max_tokens + self.max_rows,
-                                                   limit=self.position_limit))
+                                                   limit=self.position_limit,
+                                                   capacity=self.max_tokens))
             self._checked_masks |= {_mask_key(m) for m, _ in new_masks}
         for name in g.position_tables:
             t = g.tensors[name]

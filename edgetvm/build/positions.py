@@ -160,7 +160,7 @@ def _concrete(ty, dims: dict, what: str) -> tuple:
 
 
 def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
-                       limit: int | None = None) -> dict:
+                       limit: int | None = None, capacity: int | None = None) -> dict:
     """Fill the position tables of ``graphs`` (``PhaseGraph.position_tables``) with rows for
     ``positions`` positions and check the attention ``masks`` (as returned by
     ``extract_phase_graph``); returns table name -> data (positions, width) float16.
@@ -168,7 +168,8 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
     ``limit``: the positions the model can address (:func:`position_limit`); rows past it
     (the padding rows of a bucket that ends past a learned position table) are zero, never
     a lookup out of bounds. A KV capacity beyond it is refused before this
-    (``compiler.resolve_max_tokens``)."""
+    (``compiler.resolve_max_tokens``). ``capacity``: the KV cache's tokens; the masks are
+    checked at its end too."""
     tables = {}
     for g in graphs:
         tables.update(g.position_tables)
@@ -195,7 +196,12 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
         data[var] = np.concatenate([rows, np.zeros((positions - valid, rows.shape[1]),
                                                    np.float32)])
     index_of = {m: i for m, i in masks if isinstance(m, relax.Var)}
-    for past, new in _CHECKS:
+    checks = list(_CHECKS)
+    if mask_vars and capacity is not None:
+        # and where the cache ends: a mask that differs from causality only far from the
+        # query (a sliding window) is causal at the first positions
+        checks += [(capacity - 1, 1), (max(0, capacity - 8), min(8, capacity))]
+    for past, new in checks:
         if past + new > valid:
             continue
         got = dict(zip(targets, fn(past, new)))

@@ -6,8 +6,8 @@ of the shared tiny-zoo tool (tools/models/make_tiny_zoo.sh) plus ``pip install o
 
 ZOO_DIR is the output of ``make_tiny_zoo.sh ZOO_DIR``: its ``<family>_tiny_with_past.onnx``
 files are copied as they are; ``granite_tiny_with_past.onnx``,
-``falcon_tiny_with_past.onnx`` and ``opt_tiny_with_past.onnx`` (families the zoo tool does
-not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
+``falcon_tiny_with_past.onnx``, ``opt_tiny_with_past.onnx`` and
+``mistral_sw24_tiny_with_past.onnx`` (families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
 meets:
@@ -103,6 +103,17 @@ def export_opt(work):
         pad_token_id=1, bos_token_id=2, eos_token_id=2))
 
 
+def export_mistral(work):
+    """Mistral: Llama's shape with a sliding window of 24 tokens, which the export's
+    attention mask applies: past 24 tokens of KV cache it is not the causal mask."""
+    import transformers
+    _export(work, "mistral_sw24", transformers.MistralConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, sliding_window=24, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2))
+
+
 def main(zoo):
     import torch
     import transformers
@@ -112,6 +123,7 @@ def main(zoo):
     export_granite(os.path.join(zoo, ".work"))
     export_falcon(os.path.join(zoo, ".work"))
     export_opt(os.path.join(zoo, ".work"))
+    export_mistral(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

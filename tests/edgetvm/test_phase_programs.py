@@ -83,6 +83,38 @@ def test_a_model_whose_attention_stays_on_the_host_is_refused_not_miscompiled():
         mc.program("decode", 1, 1)
 
 
+def test_a_sliding_window_within_the_cache_is_refused_not_miscompiled():
+    """Mistral's mask hides keys 24 or more positions behind the query, which the NPU
+    attention does not: its mask is causal at the first positions the build used to
+    check, so a 128-token cache gave wrong logits from position 24 on. The build checks
+    the mask where the cache ends too and refuses, naming the window; a cache no longer
+    than the window is causal throughout and token-exact."""
+    from edgetvm.build.graph import BuildError
+    path = _path("mistral_sw24")
+    mc = ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16)
+    with pytest.raises(BuildError, match="sliding window of 24 tokens.*--max-tokens 24"):
+        mc.program("decode", 1, 1)
+    mc = ModelCompiler(str(path), max_tokens=24, max_rows=16)
+    _check("mistral_sw24", "regions", mc=mc)
+
+
+def test_causal_mask_check():
+    from edgetvm.region_ops import causal_mask_problem
+    pos, s = 30, 4
+    q = pos + np.arange(s)[:, None]
+    k = np.arange(pos + s)[None, :]
+    causal = np.where(k <= q, 0.0, -3.4e38)[None, None]
+    assert causal_mask_problem(causal, pos, s) is None
+    window = np.where((k <= q) & (q - k < 10), 0.0, -3.4e38)[None, None]
+    assert "sliding window of 10 tokens" in causal_mask_problem(window, pos, s)
+    alibi = np.where(k <= q, -0.5 * (q - k), -3.4e38)[None, None]
+    assert "not the causal mask" in causal_mask_problem(alibi, pos, s)
+    holes = causal.copy()
+    holes[..., 3] = -3.4e38                  # one masked key inside the window: not a window
+    assert "not the causal mask" in causal_mask_problem(holes, pos, s)
+    assert "shape" in causal_mask_problem(causal[..., :-1], pos, s)
+
+
 @pytest.mark.parametrize("strategy", ["regions", "mega"])
 def test_ops_after_the_lm_head_run_on_the_last_prompt_row_only(strategy):
     """Granite divides the logits by ``logits_scaling`` after the lm_head. A prompt of 5
