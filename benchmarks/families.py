@@ -2,7 +2,7 @@
 is right.
 
 For every tiny with-past export of tests/data (Llama, Qwen2, GPT-2, Gemma, Phi-3, GPT-NeoX,
-Granite, OPT, Falcon; see tests/data/README.md) and any ``--model`` given:
+Granite, OPT, Falcon, Gemma-2; see tests/data/README.md) and any ``--model`` given:
 
 - ``coverage_pct`` / ``npu_share_pct``: FLOPs in recognised regions / in regions that run
   on the NPU, over all FLOPs of a decode step at the KV capacity (``python -m
@@ -35,7 +35,8 @@ from edgetvm.session import NPUSession
 from report import write_json
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
-FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "falcon")
+FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "falcon",
+            "gemma2")
 PROMPT = [5, 17, 42, 7]
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError
-from edgetvm.build.cli import add_build_options, check_build_options, quantizer_of
+from edgetvm.build.cli import add_build_options, check_build_options, print_host_ops, quantizer_of
 
 DEFAULT_ATOL = 1e-2
 DEFAULT_RTOL = 1e-2
@@ -165,6 +165,7 @@ def run_artifact(art, args) -> list:
     print(f"{path}: {len(art.keys)} programs ({m['strategy']} partition) for "
           f"{m['target']['name']}; running {args.max_new_tokens} step(s) on "
           f"{args.rpc or 'the local emulator'}", flush=True)
+    print_host_ops(m)
     print(HEADER)
     seen: list = []
 

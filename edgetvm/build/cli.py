@@ -79,6 +79,8 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
                   "page_tokens": mc.page_tokens, "max_tokens": mc.max_tokens,
                   "vocab": int(g.tensors["logits"].shape[-1])},
         "kernels_lowered": mc.kernels.lowered,
+        # ops no NPU kernel takes, run by the host between kernels (HostOp commands)
+        "host_ops": sorted({n for key in keys for n in mc.graph(*key).host_notes}),
         "quantization_report": mc.quant_report.summary() if mc.quant_report else None,
     }
     if replay is not None:
@@ -205,6 +207,17 @@ def main(argv=None) -> int:
     print(f"DRAM: {m['weights']['bytes'] / 1e6:.1f} MB weights + {arena / 1e6:.2f} MB "
           f"activation arena (high-water, slots reused by lifetime) + {kv / 1e6:.2f} MB KV "
           f"cache ({md['max_tokens']} tokens)")
+    print_host_ops(m)
     if m.get("quantization_report"):
         print(m["quantization_report"])
     return 0
+
+
+def print_host_ops(manifest: dict) -> None:
+    """Say which ops of the artifact the host runs (each a HostOp at its switch cost)."""
+    notes = manifest.get("host_ops") or ()
+    if notes:
+        print(f"{len(notes)} op(s) run on the host between NPU kernels (no NPU kernel takes "
+              f"them; each costs a host switch):")
+        for n in notes:
+            print(f"  {n}")

@@ -19,8 +19,11 @@ Each region becomes ops: a row-local region (norm, linear, MLP, activation, resi
 RoPE) becomes the :class:`~edgetvm.tir_schedules.fused.Stage` ops of its fusion cluster,
 so a partition (``relax_passes/partition.py``) may cut or merge them across regions;
 embedding, KV append and attention are ops of their own templates. Host arithmetic on
-device values that has an NPU stage (an add, a scaling) becomes that stage; anything else
-is refused with an error naming the op, never silently run somewhere it cannot be.
+device values that has an NPU stage (an add, a scaling) becomes that stage; elementwise
+arithmetic that has none (Gemma-2's ``tanh`` soft-capping of the logits) becomes a
+``host`` op: a ``HostOp`` command the CPU runs on whole DRAM tensors, between kernels, at
+its switch cost (``PhaseGraph.host_notes`` lists them). Anything else is refused with an
+error naming the op, never silently run somewhere it cannot be.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from edgetvm.errors import EdgeTVMError
 from edgetvm.npu_regions import build_cluster, passthrough_outputs
 from edgetvm.region_ops import (activation_input, attention_roles, param_index, past_input,
                                 rope_roles)
+from edgetvm.target.host_ops import HOST_BINARY, HOST_UNARY, shape_attr
 from edgetvm.target.isa import Affine
 from edgetvm.tir_schedules.fused import Stage
 
@@ -55,7 +59,8 @@ class Tensor:
 
     ``kind``: ``activation`` (written and read within a step: planned into the arena),
     ``const`` (weights: the weight pack), ``table`` (a build-time table indexed by the
-    position: in the pack too), ``state`` (the KV cache pages), ``output`` (returned)."""
+    position: in the pack too), ``state`` (the KV cache pages), ``output`` (returned),
+    ``host`` (read or written by a host op: a DRAM tensor of its own, not in the arena)."""
 
     name: str
     shape: tuple
@@ -74,7 +79,9 @@ class Op:
 
     ``kind`` ``stage``: ``stage`` is a row-local op of ``fused.PIECES`` whose inputs name
     keys of ``inputs``; fusable with its neighbours. ``embedding`` / ``kv_append`` /
-    ``attention``: a kernel of its own template (``attrs`` say which and how).
+    ``attention``: a kernel of its own template (``attrs`` say which and how). ``host``:
+    an elementwise op the host CPU runs (``attrs["op"]``, inputs ``x0``, ``x1``, output
+    ``y``), whole tensors in, a whole tensor out.
     ``inputs`` / ``outputs``: role -> :class:`View` of a graph tensor, in the shape the
     op's kernel declares for that role."""
 
@@ -172,6 +179,8 @@ _GLUE = {"relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.ex
 #: elementwise host ops on device values that have an NPU stage
 _ELEMENTWISE = {"relax.add", "relax.multiply", "relax.subtract", "relax.divide"}
 _POSITION_INPUTS = ("position_ids", "attention_mask")
+#: elementwise Relax ops the host runs when no NPU stage takes them (a ``host`` op)
+_HOST_OPS = {f"relax.{n}" for n in (*HOST_UNARY, *HOST_BINARY)}
 
 
 class _Extractor:
@@ -189,6 +198,7 @@ class _Extractor:
         self.kv_pending: dict = {}           # layer -> {"key": view, "value": view}
         self.kv_layout = None
         self.attention_layers: list = []
+        self.host_notes: list = []
         self.dims = self._bind_dims()
         self.defs = {b.var: b.value for blk in self.main.body.blocks for b in blk.bindings}
 
@@ -267,8 +277,8 @@ class _Extractor:
             raise BuildError("the logits are not computed on the NPU")
         name = logits.view.tensor
         t = self.tensors[name]
-        if t.kind != "activation" or not logits.view.is_whole(t.shape):
-            raise BuildError("the logits are not the whole output of an NPU kernel")
+        if t.kind not in ("activation", "host") or not logits.view.is_whole(t.shape):
+            raise BuildError("the logits are not the whole output of a kernel")
         self._rename(name, "logits")
         self.tensors["logits"].kind = "output"
         if self.kv_layout is None:
@@ -277,7 +287,7 @@ class _Extractor:
         hk, d = self.kv_layout
         return PhaseGraph(self.phase, self.rows, self.pages, self.ops, self.tensors, "logits",
                           self.logits_rows, hk, d, len(self.attention_layers),
-                          dict(self.position_vars))
+                          dict(self.position_vars), list(self.host_notes))
 
     def _rename(self, old: str, new: str) -> None:
         t = self.tensors.pop(old)
@@ -303,7 +313,7 @@ class _Extractor:
         while True:
             value = self.defs.get(chain[-1])
             if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and
-                    value.op.name in _ELEMENTWISE | {"relax.astype"}):
+                    value.op.name in _ELEMENTWISE | _HOST_OPS | {"relax.astype"}):
                 return chain
             dev = [a for a in value.args if isinstance(a, relax.Var)]
             if len(dev) != 1:
@@ -370,6 +380,9 @@ class _Extractor:
             return Tok(self.shape(var.ty, var.name))
         if isinstance(op, tvm.ir.Op) and name in _ELEMENTWISE and devs:
             return self._elementwise(var, name, args)
+        if isinstance(op, tvm.ir.Op) and name in _HOST_OPS and devs and \
+                all(isinstance(a, (Dev, Const)) for a in args):
+            return self._host(var, name, args)
         kinds = ", ".join(type(a).__name__ for a in args)
         raise BuildError(f"{var.name} = {name}({kinds}): host code on NPU data with no NPU "
                          f"kernel; the phase program cannot run it (the region-by-region "
@@ -441,6 +454,8 @@ class _Extractor:
                 out = self.new_tensor(f"{var.name}", (rows, cols))
                 self._stage(Stage("scale", ("x",), "y", {"imm": c}), {"x": x}, out, var.name)
                 return Dev(out.reshape(out_shape))
+            if name in _HOST_OPS and all(isinstance(a, (Dev, Const)) for a in args):
+                return self._host(var, name, args)
             raise BuildError(f"{var.name} = {name}: only a scaling by a scalar constant has an "
                              f"NPU stage")
         views = []
@@ -455,6 +470,47 @@ class _Extractor:
         self._stage(Stage("add", ("x", "x2"), "y"), {"x": views[0], "x2": views[1]}, out,
                     var.name)
         return Dev(out.reshape(out_shape))
+
+    # -- elementwise host ops ------------------------------------------------------------------
+    def _host(self, var, name, args):
+        """``var = name(*args)`` run by the host: its device inputs as whole DRAM tensors of
+        their own (a view that is not one is copied into one by an NPU stage first), its
+        constants from the weight pack, its result a new tensor."""
+        out_shape = self.shape(var.ty, var.name)
+        last = self.logits_rows == "last" and var in self.logits_chain[:-1]
+        if last:
+            out_shape = (1,) * (len(out_shape) - 1) + (out_shape[-1],)   # the last row's
+        inputs, shapes = {}, {}
+        for i, a in enumerate(args):
+            if isinstance(a, Const):
+                v = self.const(f"{var.name}.c{i}", np.asarray(a.value, np.float16))
+            else:
+                v = self._whole(a.view, f"{var.name}.x{i}")
+                self.tensors[v.tensor].kind = "host"
+            inputs[f"x{i}"] = v
+            shapes[f"shape{i}"] = shape_attr(v.shape)
+        op, vname = str(name).split(".", 1)[1], str(var.name)
+        out = self.new_tensor(vname, out_shape, kind="host")
+        table = HOST_UNARY if len(args) == 1 else HOST_BINARY
+        flops = out.size * table[op][1]
+        self.ops.append(Op("host", vname, inputs, {"y": out},
+                           attrs={"op": op, "out": shape_attr(out_shape), "flops": flops,
+                                  **shapes}))
+        self.host_notes.append(f"{vname} = {name}{tuple(out_shape)}: on the host (no NPU "
+                               f"kernel), {flops} FLOPs")
+        return Dev(out)
+
+    def _whole(self, view: View, name: str) -> View:
+        """``view`` as the whole of one tensor: itself, or a copy made by an NPU stage."""
+        t = self.tensors[view.tensor]
+        if t.kind in ("activation", "host") and view.is_whole(t.shape):
+            return view
+        cols = view.shape[-1] if view.ndim else 1
+        rows = view.size // max(1, cols)
+        src = self.rows_view(view, rows, cols, name)
+        out = self.new_tensor(name, (rows, cols))
+        self._stage(Stage("copy", ("x",), "y"), {"x": src}, out, name)
+        return out.reshape(view.shape)
 
     def rows_view(self, view: View, rows: int, cols: int, what: str) -> View:
         v = view.reshape((rows, cols)) if view.size == rows * cols else None

@@ -3,7 +3,8 @@
 A group of stage ops becomes one :class:`~edgetvm.tir_schedules.fused.FusionCluster`:
 inputs that another op of the group writes whole stay in TCM, every other input is a
 kernel parameter, and results read outside the group (or strided into another tensor) are
-kernel outputs. Embedding, KV append and attention ops lower their own templates. Each
+kernel outputs. Embedding, KV append and attention ops lower their own templates; a host op is one
+``HostOp`` command. Each
 kernel is lowered with local tensor names (``t0``, ``s1``, ``q``, ...) and cached by
 structure, so the 30 layers of a model share one lowering per distinct shape; a
 :class:`Kernel` then says which graph tensor view each local name is (``link.py``
@@ -19,6 +20,8 @@ from tvm import s_tir
 
 from edgetvm.errors import CandidateRejected
 from edgetvm.npu_regions import default_knobs
+from edgetvm.target.builder import ProgramBuilder
+from edgetvm.target.isa import End, HostOp
 from edgetvm.target.lowering import lower_primfunc
 from edgetvm.tir_schedules.attention import ATTENTION_LOWERING
 from edgetvm.tir_schedules.attention import DECODE_REVISION, PREFILL_REVISION
@@ -231,6 +234,25 @@ class KernelBuilder:
         program, used = self._cached(key, knobs, replayed, build)
         return Kernel(op.name, (index,), program, {"E": op.inputs["E"], "out": op.outputs["out"]},
                       knobs=used, key=key)
+
+    def _host(self, graph, index, op, knobs=None) -> Kernel:
+        """An elementwise op the host runs (``target/host_ops.py``): one ``HostOp`` on the
+        whole input and output tensors, which the linker names. No knobs."""
+        if knobs:
+            raise CandidateRejected("a host op has no knobs")
+        attrs = {k: v for k, v in op.attrs.items() if k != "flops"}
+        key = repr(("host", sorted(attrs.items())))
+
+        def build(_):
+            b = ProgramBuilder(f"host_{op.attrs['op']}")
+            for role, v in (*op.inputs.items(), *op.outputs.items()):
+                b.tensor(role, v.shape, graph.tensors[v.tensor].dtype, "scratch")
+            b.emit(HostOp(fn="elementwise", inputs=tuple(op.inputs), outputs=tuple(op.outputs),
+                          attrs=tuple(sorted(attrs.items())), flops=int(op.attrs["flops"])))
+            b.emit(End())
+            return b.build(tcm_bytes=0), {}
+        program, _ = self._cached(key, None, False, build)
+        return Kernel(op.name, (index,), program, {**op.inputs, **op.outputs}, key=key)
 
     def _kv_append(self, graph, index, op, knobs=None) -> Kernel:
         """A prefill of whole pages writes them whole (one DMA per page and head; such a

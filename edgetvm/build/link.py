@@ -224,7 +224,10 @@ class Linker:
             if isinstance(cmd, End):
                 continue
             if isinstance(cmd, HostOp):
-                raise BuildError(f"kernel {kernel.name} has a host op")
+                cmd = dataclasses.replace(cmd, inputs=tuple(_host_tensor(local, n, kernel)
+                                                             for n in cmd.inputs),
+                                          outputs=tuple(_host_tensor(local, n, kernel)
+                                                        for n in cmd.outputs))
             if i in edits:
                 cmd = dataclasses.replace(cmd, **edits[i])
             cmd = _renumber(cmd, shift)
@@ -311,6 +314,8 @@ class Linker:
             self.builder.tensor(tensor, g.shape, g.dtype, "const", g.data)
         elif g.kind == "output":
             self.builder.tensor(tensor, g.shape, g.dtype, "output")
+        elif g.kind == "host":
+            self.builder.tensor(tensor, g.shape, g.dtype, "scratch")
         else:
             raise BuildError(f"tensor {tensor} of kind {g.kind} cannot be placed")
 
@@ -318,6 +323,16 @@ class Linker:
         for p in self.params:
             self.builder.param(p)
         return self.builder.build(tcm_bytes=self.tcm_high, **metadata)
+
+
+def _host_tensor(local: dict, name: str, kernel) -> str:
+    """The program tensor a host op's operand ``name`` is: the whole of one (the host
+    reads and writes whole tensors; ``graph._host`` made sure of it)."""
+    view, tensor, base = local[name]
+    if tensor == ARENA or base or view.tensor != tensor:
+        raise BuildError(f"kernel {kernel.name}: host operand {name} is not a tensor of its "
+                         f"own")
+    return tensor
 
 
 #: command class -> its field names

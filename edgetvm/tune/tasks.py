@@ -284,7 +284,7 @@ def extract_tasks(mc, keys, strategy: str | None = None) -> list:
         groups = mc.partition(g, strategy)
         for i, group in enumerate(groups):
             op = g.ops[group[0]]
-            if op.kind == "kv_append":
+            if op.kind in ("kv_append", "host"):           # nothing to tune
                 continue
             k = mc.kernels.kernel(g, group, consumers)      # default knobs
             t = tasks.get(k.key)

@@ -6,8 +6,9 @@ of the shared tiny-zoo tool (tools/models/make_tiny_zoo.sh) plus ``pip install o
 
 ZOO_DIR is the output of ``make_tiny_zoo.sh ZOO_DIR``: its ``<family>_tiny_with_past.onnx``
 files are copied as they are; ``granite_tiny_with_past.onnx``,
-``falcon_tiny_with_past.onnx``, ``opt_tiny_with_past.onnx`` and
-``mistral_sw24_tiny_with_past.onnx`` (families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
+``falcon_tiny_with_past.onnx``, ``opt_tiny_with_past.onnx``,
+``mistral_sw24_tiny_with_past.onnx`` and ``gemma2_tiny_with_past.onnx`` (families the zoo
+tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
 meets:
@@ -114,6 +115,21 @@ def export_mistral(work):
         bos_token_id=1, eos_token_id=2))
 
 
+def export_gemma2(work):
+    """Gemma-2: Gemma's layout with norms after attention and MLP too, and the logits
+    soft-capped, cap * tanh(logits / cap) (a cap of 5, far below the logits' range, so a
+    wrong tanh shows); the export's attention has no soft-capping (SDPA) and its window
+    (4096) is longer than any cache here."""
+    import transformers
+    _export(work, "gemma2", transformers.Gemma2Config(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=256,
+        final_logit_softcapping=5.0, attn_logit_softcapping=None, query_pre_attn_scalar=16,
+        sliding_window=4096, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+        tie_word_embeddings=True))
+
+
 def main(zoo):
     import torch
     import transformers
@@ -124,6 +140,7 @@ def main(zoo):
     export_falcon(os.path.join(zoo, ".work"))
     export_opt(os.path.join(zoo, ".work"))
     export_mistral(os.path.join(zoo, ".work"))
+    export_gemma2(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

@@ -27,7 +27,7 @@ DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 PROMPT = [5, 17, 42, 7]
 NEW_TOKENS = 16               # 4 + 16 tokens: the cache crosses its first 16-token page
 MAX_TOKENS = 128
-FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt")
+FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "gemma2")
 
 _compilers: dict = {}
 
@@ -81,6 +81,29 @@ def test_a_model_whose_attention_stays_on_the_host_is_refused_not_miscompiled():
     mc = ModelCompiler(str(_path("falcon")), max_tokens=MAX_TOKENS, max_rows=16)
     with pytest.raises(BuildError, match="no NPU kernel.*--reference"):
         mc.program("decode", 1, 1)
+
+
+@pytest.mark.parametrize("strategy", ["regions", "edgellm"])
+def test_an_op_without_an_npu_kernel_runs_on_the_host_between_kernels(strategy):
+    """Gemma-2 soft-caps its logits, 5 * tanh(logits / 5): the vector unit has no tanh, so
+    the tanh is a host op, a HostOp command in the phase program on whole DRAM tensors,
+    for the last prompt row only (the division and the multiplication are NPU scalings).
+    The tiny model's logits span well past the cap, so a tanh left out or run on the wrong
+    row changes them (token-exactness itself: test_every_family_token_exact_*)."""
+    from edgetvm.target.isa import HostOp, Launch
+    mc = _compiler("gemma2", strategy)
+    for key in (("decode", 1, 1), ("prefill", 8, 1)):
+        g = mc.graph(*key)
+        (host,) = [op for op in g.ops if op.kind == "host"]
+        assert host.attrs["op"] == "tanh" and host.outputs["y"].shape == (1, 1, 512)
+        assert g.host_notes and "relax.tanh" in g.host_notes[0]
+        prog = mc.program(*key)
+        cmds = prog.commands
+        (k,) = [i for i, c in enumerate(cmds) if isinstance(c, HostOp)]
+        assert isinstance(cmds[k - 1], Launch)     # after every unit is idle
+        assert all(prog.tensors[t].kind in ("scratch", "output") for t in cmds[k].inputs +
+                   cmds[k].outputs)
+    _check("gemma2", strategy, prompt=[5, 17, 42, 7, 9])
 
 
 def test_a_sliding_window_within_the_cache_is_refused_not_miscompiled():

@@ -115,3 +115,24 @@ def test_the_arena_never_shares_bytes_between_live_tensors():
                 _, oy = plan.place[y]
                 assert ox + sx <= oy or oy + g.tensors[y].size <= ox, (x, y)
         assert plan.arena_elems < total              # reuse happened
+
+
+def test_a_host_op_reads_whole_tensors_copying_a_strided_view_first():
+    # the host reads and writes whole DRAM tensors: a view of a tensor that is whole is
+    # handed over as it is; a column slice (a fused projection's part) is first copied
+    # into a tensor of its own by an NPU copy stage, reading exactly that window
+    from edgetvm.build.graph import Tensor, _Extractor
+    ex = _Extractor.__new__(_Extractor)
+    ex.tensors = {"qkv": Tensor("qkv", (4, 96)), "y": Tensor("y", (4, 32))}
+    ex.ops = []
+    whole = View.whole("y", (4, 32)).reshape((1, 4, 32))
+    assert ex._whole(whole, "h") is whole and not ex.ops
+    part = View.whole("qkv", (4, 96)).slice(1, 32, 64).expand_dims([0])
+    got = ex._whole(part, "h")
+    (op,) = ex.ops
+    assert op.kind == "stage" and op.stage.op == "copy"
+    src = op.inputs["x"]
+    assert src.tensor == "qkv" and src.shape == (4, 32) and src.strides == (96, 1)
+    assert src.offset == Affine(32)
+    assert got.shape == (1, 4, 32) and got.is_whole(ex.tensors[got.tensor].shape)
+    assert got.tensor != "qkv"
