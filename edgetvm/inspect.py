@@ -7,6 +7,9 @@ same decision ``edgetvm.run`` makes) and prints, per layer, the recognised regio
 FLOPs inside and outside them, the FLOPs that run on the NPU, the coverage and the NPU
 share. Ops outside every region, and regions the NPU does not take, run on the host.
 
+Last, what the compiled path makes of it (``--no-compile`` skips this): every op on the
+NPU, the elementwise ops it runs on the host between kernels, or why it refuses the model.
+
 FLOPs are counted at a stated length, never at a symbolic one: by default a decode step
 at the KV cache's capacity (one new token, ``max_tokens - 1`` past tokens), or a prefill
 of ``--length`` tokens with ``--phase prefill``.
@@ -121,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         help="override the value of a symbolic dimension for FLOP counting, "
         "e.g. --dim past_sequence_length=4095",
     )
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip the check of what the compiled path makes of the model")
     args = parser.parse_args(argv)
     if args.length < 1 or args.max_tokens < 2:
         parser.error("--length must be >= 1 and --max-tokens >= 2")
@@ -145,7 +150,30 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("FLOPs counted at the model's fixed shapes (it has no symbolic dimensions)")
     print(COVERAGE_DEFINITION)
+    if not args.no_compile:
+        print(compiled_path(args.model, args.quantize))
     return 0
+
+
+def compiled_path(model: str, quantize=None) -> str:
+    """What the compiled path (``edgetvm.build``, ``edgetvm.run`` without
+    ``--reference``) makes of the model: the ops it runs on the host, or why it refuses."""
+    from edgetvm.build.compiler import ModelCompiler
+    head = "compiled path (edgetvm.build; edgetvm.run without --reference):"
+    try:
+        mc = ModelCompiler(model, quantize=quantize, max_rows=16)
+        notes = sorted({n for key in (("decode", 1, 1), ("prefill", 16, 1))
+                        for n in mc.graph(*key).host_notes})
+    except EdgeTVMError as err:
+        return f"{head} refused: {err}"
+    except Exception as err:         # noqa: BLE001 - inspect reports, it does not crash
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+        return f"{head} fails to compile ({type(err).__name__}: " \
+               f"{lines[-1] if lines else ''}): please report it"
+    if not notes:
+        return f"{head} every op on the NPU"
+    return "\n  ".join([f"{head} {len(notes)} op(s) on the host between NPU kernels:"] +
+                       notes)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,19 @@ def test_an_op_without_an_npu_kernel_runs_on_the_host_between_kernels(strategy):
     _check("gemma2", strategy, prompt=[5, 17, 42, 7, 9])
 
 
+def test_inspect_says_what_the_compiled_path_makes_of_a_model(capsys):
+    from edgetvm.inspect import main as inspect_main
+    said = {}
+    for family in ("llama", "gemma2", "mistral_sw24"):
+        assert inspect_main([str(_path(family))]) == 0
+        said[family] = capsys.readouterr().out.splitlines()
+    compiled = {f: "\n".join(ln for ln in out if "compiled path" in ln or
+                             ln.startswith("  lv")) for f, out in said.items()}
+    assert compiled["llama"].endswith("every op on the NPU")
+    assert "1 op(s) on the host" in compiled["gemma2"] and "relax.tanh" in compiled["gemma2"]
+    assert "refused" in compiled["mistral_sw24"] and "--max-tokens 24" in compiled["mistral_sw24"]
+
+
 def test_a_sliding_window_within_the_cache_is_refused_not_miscompiled():
     """Mistral's mask hides keys 24 or more positions behind the query, which the NPU
     attention does not: its mask is causal at the first positions the build used to
