@@ -60,7 +60,9 @@ class Tensor:
     ``kind``: ``activation`` (written and read within a step: planned into the arena),
     ``const`` (weights: the weight pack), ``table`` (a build-time table indexed by the
     position: in the pack too), ``state`` (the KV cache pages), ``output`` (returned),
-    ``host`` (read or written by a host op: a DRAM tensor of its own, not in the arena)."""
+    ``host`` (read or written by a host op: a DRAM tensor of its own, not in the arena),
+    ``padded`` (an activation widened to whole quantization groups: a tensor of its own
+    whose padding columns stay zero)."""
 
     name: str
     shape: tuple
@@ -512,6 +514,22 @@ class _Extractor:
         self._stage(Stage("copy", ("x",), "y"), {"x": src}, out, name)
         return out.reshape(view.shape)
 
+    def _padded(self, view: View, want: tuple, name: str, region) -> View:
+        """``view`` (rows, K) as the (rows, K') a W4A16 kernel reads when K is not a whole
+        number of quantization groups (the quantizer padded the weights to K' with groups
+        of zeros): copied by an NPU stage into the first K columns of a tensor of its own,
+        whose last K' - K columns nothing writes (scratch is zeroed per call)."""
+        if len(want) != 2 or want[0] != view.shape[0] or want[1] < view.shape[1]:
+            raise BuildError(f"{region.kind} region {region.index}: its kernel reads {name} "
+                             f"as {want}, the graph has {view.shape}")
+        rows, k = view.shape
+        pad = self.new_tensor(f"{name}.padded", want, kind="padded")
+        window = View(pad.tensor, (rows, k), (want[1], 1), Affine(0))
+        # a kernel of its own (region None): the kernel reading the whole padded tensor
+        # cannot be the one writing its window
+        self._stage(Stage("copy", ("x",), "y"), {"x": view}, window, f"{name}.pad")
+        return pad
+
     def rows_view(self, view: View, rows: int, cols: int, what: str) -> View:
         v = view.reshape((rows, cols)) if view.size == rows * cols else None
         if v is None:
@@ -690,11 +708,9 @@ class _Extractor:
         names = {}
         inputs = [n for n in cluster.tensors if n not in cluster.consts]
         for n, v in zip(inputs, views):
-            want = cluster.tensors[n][0]
-            if tuple(want) != v.shape:
-                raise BuildError(f"{region.kind} region {region.index}: its kernel reads "
-                                 f"{n} as {tuple(want)} (K padded to whole quantization "
-                                 f"groups?), the graph has {v.shape}; not supported yet")
+            want = tuple(cluster.tensors[n][0])
+            if want != v.shape:
+                v = self._padded(v, want, f"r{region.index}.{n}", region)
             names[n] = v
         for n in cluster.consts:
             names[n] = self.const(f"r{region.index}.{n}", consts[n])

@@ -314,7 +314,7 @@ class Linker:
             self.builder.tensor(tensor, g.shape, g.dtype, "const", g.data)
         elif g.kind == "output":
             self.builder.tensor(tensor, g.shape, g.dtype, "output")
-        elif g.kind == "host":
+        elif g.kind in ("host", "padded"):
             self.builder.tensor(tensor, g.shape, g.dtype, "scratch")
         else:
             raise BuildError(f"tensor {tensor} of kind {g.kind} cannot be placed")

@@ -106,6 +106,34 @@ def test_an_op_without_an_npu_kernel_runs_on_the_host_between_kernels(strategy):
     _check("gemma2", strategy, prompt=[5, 17, 42, 7, 9])
 
 
+@pytest.mark.parametrize("strategy", ["regions", "mega"])
+def test_w4a16_with_k_not_a_whole_number_of_groups(strategy):
+    """Groups of 128 over K = 64 (q, o, gate, up) and 160 (down): the quantizer pads the
+    weights to whole groups of zeros, so each kernel reads its activation 128 or 256 wide.
+    The phase program copies the activation into a tensor of its own whose padding stays
+    zero (it used to refuse the model; a pad read from the arena would be stale data).
+    Reference: the same quantized Relax module compiled for the host CPU by TVM (llvm), as
+    in test_quantize_session.py, with its own greedy loop."""
+    from test_quantize_session import _host_model
+
+    from edgetvm.relax_passes import QuantizeW4A16
+    qpass = QuantizeW4A16(group_size=128, zero_points="float", keep_fp16=())
+    path = _path("llama")
+    mc = ModelCompiler(str(path), max_tokens=MAX_TOKENS, strategy=strategy, max_rows=16,
+                       quantize=qpass)
+    g = mc.graph("prefill", 8, 1)
+    padded = sorted(t.shape for t in g.tensors.values() if t.kind == "padded")
+    assert (8, 128) in padded and (1, 128) in padded      # the lm_head: the last row
+    _, names, kv = onnxruntime_model(path)
+    want, calls = greedy_loop(_host_model(path, qpass), names, kv, PROMPT, NEW_TOKENS)
+    recs = _runner(mc).generate(PROMPT, NEW_TOKENS)
+    assert [r.token for r in recs if r.token >= 0] == want
+    for step, (rec, call) in enumerate(zip(recs, calls)):
+        ref = call["logits"][0, -1]
+        diff = float(np.abs(rec.logits - ref).max())
+        assert diff <= 0.01 + 0.01 * float(np.abs(ref).max()), (strategy, step, diff)
+
+
 def test_inspect_says_what_the_compiled_path_makes_of_a_model(capsys):
     from edgetvm.inspect import main as inspect_main
     said = {}
