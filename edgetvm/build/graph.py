@@ -266,6 +266,7 @@ class _Extractor:
         self.logits_producer = self.defs.get(self.logits_chain[-1])
         for blk in self.main.body.blocks:
             for b in blk.bindings:
+                self._current = b
                 try:
                     self.env[b.var] = self._binding(b.var, b.value)
                 except BuildError:
@@ -344,7 +345,11 @@ class _Extractor:
             return Tup(tuple(self.value(f) for f in e.fields))
         if isinstance(e, relax.Var):
             return self.env[e]
-        raise BuildError(f"cannot interpret {type(e).__name__}")
+        b = getattr(self, "_current", None)
+        where = f"binding {b.var.name} = {_describe(b.value)}: " if b is not None else ""
+        raise BuildError(f"{where}cannot interpret {type(e).__name__} {e} (the phase program "
+                         f"has no NPU kernel or host op for it; the region-by-region reference "
+                         f"path runs it: python -m edgetvm.run model.onnx --reference)")
 
     def _binding(self, var, value):
         if isinstance(value, relax.Var):

@@ -24,6 +24,20 @@ optimum, notes/tvm-0.27.md). Two converters are at fault:
     selected static dimensions as a constant, so TVM folds the arithmetic on them and
     the Slice keeps its shape. A shape whose type is known only by rank (not a
     ``ShapeExpr``) is gathered from through ``shape_to_tensor`` instead of failing.
+``Expand`` of a symbolic shape to a constant one
+    TVM's converter reads every input dimension as an integer when the target shape is a
+    constant (GPT-J expands ``position_ids[..., None]`` by ``ones(3)``). The fix applies
+    ONNX's broadcasting rule to the symbolic dimensions.
+``Slice`` with a symbolic bound
+    TVM then slices with ``assume_inbound`` and takes constant bounds as they are, so a
+    constant end of ``INT64_MAX`` ("to the end") or a negative one gives a wrong length
+    (MPT's ALiBi table). The fix normalises constant bounds as ONNX defines them first.
+``Tile`` by a shape
+    Repeats computed from ``Shape`` dims (GPT-J's and Cohere's rotary tables, repeated
+    over the batch) arrive as a ``ShapeExpr``, which TVM's converter refuses. The fix
+    tiles by reshape and ``broadcast_to``, keeping symbolic sizes. (TVM refuses a shape
+    input to Tile before any converter runs; the importer hands such repeats over as
+    ``shape_to_tensor`` of the shape, seen through here.)
 
 Each override has the signature ``(bb, inputs, attrs, params, fallback)`` and calls
 ``fallback()`` (TVM's own converter) for every case it does not fix.
@@ -103,6 +117,139 @@ def convert_gather(bb, inputs, attrs, params, fallback):
     return relax.op.take(tensor, indices, axis=axis)
 
 
+def convert_tile(bb, inputs, attrs, params, fallback):
+    """``Tile`` by constant repeats or by a shape (``Concat`` of ``Shape`` dims, e.g. the
+    batch size) -> reshape, ``broadcast_to`` and reshape, keeping the symbolic sizes.
+
+    TVM's converter takes constant repeats (as a TE ``tile`` kernel, opaque to the passes
+    that follow) or a 1-D tensor of them, not a ``ShapeExpr`` (GPT-J's and Cohere's
+    rotary tables repeat over ``Shape(position_ids)[0]``). Tiling
+    ``x`` of shape ``(d0, .., dn)`` by ``(r0, .., rn)`` equals reshaping it to
+    ``(1, d0, .., 1, dn)``, broadcasting to ``(r0, d0, .., rn, dn)`` and merging each pair.
+    """
+    del attrs
+    data = inputs[0]
+    repeats = onnx_frontend.get_constant(inputs[1], params)
+    if isinstance(repeats, relax.Call) and repeats.op == tvm.ir.Op.get("relax.shape_to_tensor"):
+        repeats = repeats.args[0]  # a shape only Tile reads (EdgeONNXImporter._construct_nodes)
+    if isinstance(repeats, tvm.ir.GenericConst):
+        reps = [tvm.tirx.IntImm("int64", int(r)) for r in repeats.value.numpy().reshape(-1)]
+    elif isinstance(repeats, relax.ShapeExpr):
+        reps = list(repeats.values)
+    else:
+        return fallback()
+    shape = data.ty.shape if isinstance(data, relax.Expr) and isinstance(
+        data.ty, relax.TensorType) else None
+    if not isinstance(shape, relax.ShapeExpr):
+        return fallback()
+    dims = list(shape.values)
+    # ONNX requires len(repeats) == rank; be lenient the way numpy is.
+    dims = [tvm.tirx.IntImm("int64", 1)] * (len(reps) - len(dims)) + dims
+    reps = [tvm.tirx.IntImm("int64", 1)] * (len(dims) - len(reps)) + reps
+    pairs_one = [value for dim in dims for value in (1, dim)]
+    pairs = [value for rep, dim in zip(reps, dims) for value in (rep, dim)]
+    merged = [rep * dim for rep, dim in zip(reps, dims)]
+    out = bb.normalize(relax.op.reshape(data, pairs_one))
+    out = bb.normalize(relax.op.broadcast_to(out, pairs))
+    return relax.op.reshape(out, merged)
+
+
+def convert_expand(bb, inputs, attrs, params, fallback):
+    """``Expand`` of a tensor with symbolic dimensions to a constant shape -> ``broadcast_to``
+    by ONNX's rule (right-aligned; a target 1 keeps the input's dimension).
+
+    TVM's converter reads every input dimension as an integer there (GPT-J expands
+    ``position_ids[..., None]`` by ``ones(3)``)."""
+    del bb, attrs
+    data = inputs[0]
+    shape = onnx_frontend.get_constant(inputs[1], params)
+    if not isinstance(shape, tvm.ir.GenericConst) or not isinstance(data, relax.Expr):
+        return fallback()
+    data_shape = data.ty.shape if isinstance(data.ty, relax.TensorType) else None
+    if not isinstance(data_shape, relax.ShapeExpr):
+        return fallback()
+    dims = list(data_shape.values)
+    if all(isinstance(dim, tvm.tirx.IntImm) for dim in dims):
+        return fallback()
+    target = [int(value) for value in shape.value.numpy().reshape(-1)]
+    one = tvm.tirx.IntImm("int64", 1)
+    dims = [one] * (len(target) - len(dims)) + dims
+    target = [1] * (len(dims) - len(target)) + target
+    out = []
+    for dim, size in zip(dims, target):
+        if size == 1 or (isinstance(dim, tvm.tirx.IntImm) and int(dim) == size):
+            out.append(dim)
+        elif isinstance(dim, tvm.tirx.IntImm) and int(dim) == 1:
+            out.append(tvm.tirx.IntImm("int64", size))
+        else:
+            raise ValueError(
+                f"Expand: cannot broadcast shape {list(data_shape.values)} to {target}"
+            )
+    if len(out) == len(data_shape.values) and all(
+        a.same_as(b) for a, b in zip(out, data_shape.values)
+    ):
+        return data
+    return relax.op.broadcast_to(data, relax.ShapeExpr(out))
+
+
+def convert_slice(bb, inputs, attrs, params, fallback):
+    """``Slice`` with a symbolic bound: constant bounds are first normalised the way ONNX
+    defines them (a negative index counts from the end, an index past the end is the end),
+    then TVM's converter runs.
+
+    With any symbolic bound TVM slices with ``assume_inbound``, taking the constants as
+    they are: MPT's ALiBi table ``alibi[:, :, 256 - kv_len : INT64_MAX]`` came out
+    ``INT64_MAX - 256 + kv_len`` long and its sum with the scores lost its shape."""
+    del bb, attrs
+    data = inputs[0]
+    starts, ends = (onnx_frontend.get_constant(inputs[i], params) for i in (1, 2))
+    axes, steps = (onnx_frontend.get_constant(inputs[i], params) for i in (3, 4))
+    shape = data.ty.shape if isinstance(data, relax.Expr) and isinstance(
+        data.ty, relax.TensorType) else None
+    bounds = (starts, ends)
+    symbolic = any(isinstance(b, relax.ShapeExpr) or tvm.ir.is_prim_expr(b) for b in bounds)
+    if not symbolic or not isinstance(shape, relax.ShapeExpr):
+        return fallback()
+    if steps is not None and not (isinstance(steps, tvm.ir.GenericConst)
+                                  and (steps.value.numpy() > 0).all()):
+        return fallback()
+    dims = list(shape.values)
+    count = len(bounds[0].values) if isinstance(bounds[0], relax.ShapeExpr) else (
+        bounds[0].value.numpy().size if isinstance(bounds[0], tvm.ir.GenericConst) else 1)
+    if axes is None:
+        axis_list = list(range(count))
+    elif isinstance(axes, tvm.ir.GenericConst):
+        axis_list = [int(a) % len(dims) for a in axes.value.numpy().reshape(-1)]
+    else:
+        return fallback()
+    for index in (1, 2):
+        bound = onnx_frontend.get_constant(inputs[index], params)
+        if isinstance(bound, tvm.ir.GenericConst):
+            values = bound.value.numpy().reshape(-1).tolist()
+            inputs[index] = _onnx_slice_bounds(values, [dims[axis] for axis in axis_list])
+    return fallback()
+
+
+def _onnx_slice_bounds(values, dims):
+    """Constant Slice bounds (positive step) as ONNX defines them: negative counts from the
+    end, past the end is the end. A constant when every dimension is static, else a shape."""
+    out = []
+    for value, dim in zip(values, dims):
+        if isinstance(dim, tvm.tirx.IntImm):
+            size = int(dim)
+            clamped = max(0, min(value + size if value < 0 else value, size))
+            out.append(tvm.tirx.IntImm("int64", clamped))
+        elif value >= (1 << 31):  # "to the end" of a symbolic dimension
+            out.append(dim)
+        elif value < 0:
+            out.append(dim + value)
+        else:
+            out.append(tvm.tirx.IntImm("int64", value))
+    if all(isinstance(value, tvm.tirx.IntImm) for value in out):
+        return relax.const(np.asarray([int(v) for v in out], np.int64), "int64")
+    return relax.ShapeExpr(out)
+
+
 def _constant_scalar(value):
     if isinstance(value, tvm.ir.GenericConst):
         array = value.value.numpy()
@@ -126,4 +273,7 @@ DYNAMIC_SHAPE_FIXES = {
     "Range": convert_range,
     "ConstantOfShape": convert_constant_of_shape,
     "Gather": convert_gather,
+    "Tile": convert_tile,
+    "Expand": convert_expand,
+    "Slice": convert_slice,
 }

@@ -18,6 +18,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 
 from edgetvm.errors import ModelImportError
 
+from .constant_folding import fold_constant_node
 from .dynamic_shape_fixes import DYNAMIC_SHAPE_FIXES
 from .loader import load_model, op_histogram
 from .matmul_nbits import convert_matmul_nbits
@@ -73,6 +74,28 @@ class EdgeONNXImporter(onnx_frontend.ONNXGraphImporter):
     def __init__(self, shape_dict=None, dtype_dict="float32"):
         super().__init__(shape_dict, dtype_dict, keep_params_in_input=False, sanitize=True)
         self.current_node = None
+        self._tile_repeats_nodes = set()
+        self._node_protos = {}
+
+    def _construct_nodes(self, graph):
+        # TVM refuses a shape (``ShapeExpr``) as input of any op outside its short list of
+        # shape-aware ops, Tile among them, before a converter is consulted. A value that
+        # only Tile reads as its repeats is therefore handed over as ``shape_to_tensor``
+        # of the shape, which :func:`~.dynamic_shape_fixes.convert_tile` sees through.
+        self._node_protos = {node.name: node for node in graph.node if node.name}
+        readers = {}
+        for node in graph.node:
+            for index, name in enumerate(node.input):
+                readers.setdefault(name, []).append((node.op_type, index))
+        self._tile_repeats_nodes = {
+            node.name
+            for node in graph.node
+            if node.name
+            and len(node.output) == 1
+            and readers.get(node.output[0])
+            and all(reader == ("Tile", 1) for reader in readers[node.output[0]])
+        }
+        return super()._construct_nodes(graph)
 
     def _check_for_unsupported_ops(self, graph):
         # The loader checked already, knowing domains and edgetvm's additions.
@@ -80,14 +103,26 @@ class EdgeONNXImporter(onnx_frontend.ONNXGraphImporter):
 
     def _convert_operator(self, op_name, inputs, attrs, opset):
         self.current_node = (op_name, attrs.get("tvm_custom", {}).get("name", ""))
+        proto = self._node_protos.get(self.current_node[1])
+        if proto is not None and proto.op_type == op_name:
+            folded = fold_constant_node(proto, inputs, opset)
+            if folded is not None:
+                return folded
         override = CONVERTER_OVERRIDES.get(op_name)
-        if override is None:
-            return super()._convert_operator(op_name, inputs, attrs, opset)
 
         def fallback():
             return super(EdgeONNXImporter, self)._convert_operator(op_name, inputs, attrs, opset)
 
-        result = override(self.bb, inputs, attrs, [self._nodes, self._params], fallback)
+        if override is None:
+            result = fallback()
+        else:
+            result = override(self.bb, inputs, attrs, [self._nodes, self._params], fallback)
+        if self.current_node[1] in self._tile_repeats_nodes and isinstance(
+            getattr(result, "ty", None), relax.ShapeType
+        ):
+            return self.bb.normalize(relax.op.shape_to_tensor(result))
+        if override is None:
+            return result
         return self.bb.normalize(result) if isinstance(result, relax.Expr) else result
 
 
@@ -118,7 +153,7 @@ def import_onnx(
         The model uses ops edgetvm cannot compile (all listed, before any conversion).
     """
     loaded = load_model(path_or_model)
-    model = loaded.model
+    model = _with_unique_node_names(loaded.model)
     if shape_overrides:
         model = apply_shape_overrides(model, shape_overrides, loaded.source)
 
@@ -149,6 +184,25 @@ def import_onnx(
         op_histogram=op_histogram(model),
         source=loaded.source,
     )
+
+
+def _with_unique_node_names(model):
+    """The model itself when its nodes have unique names, else a copy in which every
+    unnamed or repeated node is named ``<op_type>_<index>``: errors name the node, and the
+    importer keys what it knows of a node (its readers) by name."""
+    names = [node.name for node in model.graph.node]
+    if all(names) and len(set(names)) == len(names):
+        return model
+    copy = type(model)()
+    copy.CopyFrom(model)
+    taken = set()
+    for index, node in enumerate(copy.graph.node):
+        if not node.name or node.name in taken:
+            node.name = f"{node.op_type}_{index}"
+            while node.name in taken:
+                node.name += "_"
+        taken.add(node.name)
+    return copy
 
 
 def _input_tir_vars(func: relax.Function) -> dict[str, tirx.Var]:

@@ -7,8 +7,9 @@ of the shared tiny-zoo tool (tools/models/make_tiny_zoo.sh) plus ``pip install o
 ZOO_DIR is the output of ``make_tiny_zoo.sh ZOO_DIR``: its ``<family>_tiny_with_past.onnx``
 files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``falcon_tiny_with_past.onnx``, ``opt_tiny_with_past.onnx``,
-``mistral_sw24_tiny_with_past.onnx`` and ``gemma2_tiny_with_past.onnx`` (families the zoo
-tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
+``mistral_sw24_tiny_with_past.onnx``, ``gemma2_tiny_with_past.onnx``,
+``gptj_tiny_with_past.onnx``, ``cohere_tiny_with_past.onnx`` and ``mpt_tiny_with_past.onnx``
+(families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
 meets:
@@ -130,6 +131,36 @@ def export_gemma2(work):
         tie_word_embeddings=True))
 
 
+def export_gptj(work):
+    """GPT-J: interleaved (rotate-every-two) partial rotary (8 of 16), its sin/cos table
+    gathered by position and tiled over the batch (a ``Tile`` by a shape), parallel
+    attention and MLP, no q/k/v biases."""
+    import transformers
+    _export(work, "gptj", transformers.GPTJConfig(
+        initializer_range=0.2, vocab_size=512, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+        n_positions=256, bos_token_id=0, eos_token_id=0))
+
+
+def export_cohere(work):
+    """Cohere (Command-R): LayerNorm without bias computed in float, interleaved rotary,
+    parallel attention and MLP, logits scaled; its rotary table's shape is computed through
+    ``ReduceMax`` of a constant."""
+    import transformers
+    _export(work, "cohere", transformers.CohereConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def export_mpt(work):
+    """MPT: ALiBi position bias (no rotary, no learned positions), sliced from a 256-long
+    table by ``Slice(start = 256 - kv_len, end = INT64_MAX)``; LayerNorm without bias."""
+    import transformers
+    _export(work, "mpt", transformers.MptConfig(
+        initializer_range=0.2, vocab_size=512, d_model=64, n_layers=2, n_heads=4,
+        max_seq_len=256))
+
+
 def main(zoo):
     import torch
     import transformers
@@ -141,6 +172,9 @@ def main(zoo):
     export_opt(os.path.join(zoo, ".work"))
     export_mistral(os.path.join(zoo, ".work"))
     export_gemma2(os.path.join(zoo, ".work"))
+    export_gptj(os.path.join(zoo, ".work"))
+    export_cohere(os.path.join(zoo, ".work"))
+    export_mpt(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

@@ -198,6 +198,121 @@ def test_gather_from_the_shape_of_a_dynamic_slice(index):
     assert got.tolist() == want.tolist() == session.run(None, feeds)[0].tolist()
 
 
+def _symbolic_model(nodes, inputs, output, inits=()):
+    graph = helper.make_graph(nodes, "g", inputs, [output], list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _against_onnxruntime(model, feeds_list):
+    """Import once, run every feed on the one compiled module (the lengths stayed
+    symbolic) and compare with onnxruntime; returns the imported model."""
+    imported = import_onnx(model)
+    vm = relax.VirtualMachine(tvm.compile(imported.mod, tvm.target.Target(TARGET)), tvm.cpu())
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for feeds in feeds_list:
+        (got,) = run_vm(vm, imported, feeds)
+        (want,) = session.run(None, feeds)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, **FP32_TOL)
+    return imported
+
+
+def _ret_shape(imported):
+    return [str(int(d)) if isinstance(d, tirx.IntImm) else str(d)
+            for d in imported.mod["main"].ret_ty.shape.values]
+
+
+def test_tile_by_a_shape_and_by_constants():
+    # GPT-J / Cohere: a rotary table tiled over the batch, the repeats a Concat of Shape
+    # dims (a shape TVM's importer refuses as Tile's input), then tiled by constants
+    table = np.arange(12, dtype=np.float32).reshape(1, 3, 4)
+    nodes = [helper.make_node("Shape", ["ids"], ["shape"]),
+             helper.make_node("Gather", ["shape", "zero"], ["batch"], axis=0),
+             helper.make_node("Unsqueeze", ["batch", "zero1"], ["batch1"]),
+             helper.make_node("Concat", ["batch1", "one", "one"], ["reps"], axis=0),
+             helper.make_node("Tile", ["table", "reps"], ["tiled"]),
+             helper.make_node("Tile", ["tiled", "reps2"], ["out"])]
+    inits = [numpy_helper.from_array(table, "table"),
+             numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             numpy_helper.from_array(np.array([0], np.int64), "zero1"),
+             numpy_helper.from_array(np.array([1], np.int64), "one"),
+             numpy_helper.from_array(np.array([1, 2, 3], np.int64), "reps2")]
+    model = _symbolic_model(
+        nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
+        helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 6, 12]), inits)
+    imported = _against_onnxruntime(model, [{"ids": np.zeros((b, 5), np.int64)} for b in (1, 3)])
+    assert _ret_shape(imported) == ["batch", "6", "12"]
+    # high-level ops, not a TE kernel the passes after the importer cannot read
+    assert not [gv for gv in imported.mod.functions if gv.name_hint != "main"]
+
+
+def test_expand_of_symbolic_dims_to_a_constant_shape():
+    # GPT-J expands position_ids[..., None] by ones(3): a target 1 keeps the dimension
+    nodes = [helper.make_node("Unsqueeze", ["pos", "two"], ["pos3"]),
+             helper.make_node("Expand", ["pos3", "target"], ["out"])]
+    inits = [numpy_helper.from_array(np.array([2], np.int64), "two"),
+             numpy_helper.from_array(np.array([1, 1, 4], np.int64), "target")]
+    model = _symbolic_model(
+        nodes, [helper.make_tensor_value_info("pos", TensorProto.INT64, ["batch", "seq"])],
+        helper.make_tensor_value_info("out", TensorProto.INT64, ["batch", "seq", 4]), inits)
+    feeds = [{"pos": np.arange(b * s, dtype=np.int64).reshape(b, s)} for b, s in ((1, 5), (2, 3))]
+    imported = _against_onnxruntime(model, feeds)
+    assert _ret_shape(imported) == ["batch", "seq", "4"]
+
+
+@pytest.mark.parametrize("end", [np.iinfo(np.int64).max, 300, -1])
+def test_slice_from_a_symbolic_start_to_a_constant_end(end):
+    # MPT: alibi[:, :, 256 - kv_len : INT64_MAX]. With a symbolic start TVM slices
+    # "in bounds" and took the constant end as it is (a length near 2**63); ONNX clamps an
+    # end past the dimension and counts a negative one from the end
+    table = np.arange(4 * 16, dtype=np.float32).reshape(4, 1, 16)
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["length"], axis=0),
+             helper.make_node("Sub", ["size", "length"], ["start0"]),
+             helper.make_node("Unsqueeze", ["start0", "zero1"], ["start"]),
+             helper.make_node("Slice", ["table", "start", "end", "axes"], ["out"])]
+    inits = [numpy_helper.from_array(table, "table"),
+             numpy_helper.from_array(np.array(1, np.int64), "one"),
+             numpy_helper.from_array(np.array(16, np.int64), "size"),
+             numpy_helper.from_array(np.array([0], np.int64), "zero1"),
+             numpy_helper.from_array(np.array([end], np.int64), "end"),
+             numpy_helper.from_array(np.array([2], np.int64), "axes")]
+    model = _symbolic_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "kv"])],
+        helper.make_tensor_value_info("out", TensorProto.FLOAT, [4, 1, "n"]), inits)
+    imported = _against_onnxruntime(model, [{"x": np.zeros((1, n), np.float32)} for n in (3, 9)])
+    if end != -1:
+        assert _ret_shape(imported) == ["4", "1", "kv"]
+
+
+def test_all_constant_nodes_fold_so_a_shape_stays_a_shape():
+    # Cohere: a Reshape target Concat(-1, Unsqueeze(ReduceMax(ConstantOfShape(..))), batch);
+    # TVM emits ReduceMax of a constant as a run-time op and then cannot Concat it with a
+    # shape. Folded (onnx.reference), the target is a shape and the output keeps its dims
+    nodes = [helper.make_node("ConstantOfShape", ["three"], ["twos"],
+                              value=numpy_helper.from_array(np.array([2], np.int64))),
+             helper.make_node("ReduceMax", ["twos"], ["two"], keepdims=0),
+             helper.make_node("Unsqueeze", ["two", "zero1"], ["two1"]),
+             helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Gather", ["shape", "zero"], ["batch0"], axis=0),
+             helper.make_node("Unsqueeze", ["batch0", "zero1"], ["batch"]),
+             helper.make_node("Concat", ["minus1", "two1", "batch"], ["target"], axis=0),
+             helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),
+             helper.make_node("Reshape", ["xt", "target"], ["out"])]
+    inits = [numpy_helper.from_array(np.array([3], np.int64), "three"),
+             numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             numpy_helper.from_array(np.array([0], np.int64), "zero1"),
+             numpy_helper.from_array(np.array([-1], np.int64), "minus1")]
+    model = _symbolic_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        helper.make_tensor_value_info("out", TensorProto.FLOAT, [4, 2, "batch"]), inits)
+    feeds = [{"x": np.arange(b * 8, dtype=np.float32).reshape(b, 8)} for b in (1, 3)]
+    imported = _against_onnxruntime(model, feeds)
+    assert _ret_shape(imported) == ["4", "2", "batch"]
+
+
 # -- MatMulNBits as the W4A16 linear ------------------------------------------------------
 
 
