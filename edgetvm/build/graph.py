@@ -703,8 +703,13 @@ class _Extractor:
         rows = int(np.prod(y_shape[:-1], dtype=np.int64)) if len(y_shape) > 1 else 1
         last = self.logits_rows == "last" and region.kind in ("lm_head", "linear") and \
             self.logits_producer is not None and _calls(self.logits_producer, region.symbol)
-        views = [self.rows_view(a.view, rows, a.view.shape[-1], f"{region.kind} region "
-                                f"{region.index}") for a in values]
+        in_views = [a.view for a in values]
+        order = None if last else _row_order(in_views, y_shape)
+        if order is not None:                 # rows in the order memory holds them
+            in_views = [v.permute(order) for v in in_views]
+            y_shape = tuple(y_shape[a] for a in order)
+        views = [self.rows_view(v, rows, v.shape[-1], f"{region.kind} region "
+                                f"{region.index}") for v in in_views]
         if last and rows > 1:                # prefill: the logits of the last token only
             views = [View(v.tensor, (1, v.shape[1]), v.strides, v.offset).shifted(
                 Affine.param("last_row", v.strides[0])) for v in views]
@@ -731,6 +736,8 @@ class _Extractor:
         if last:
             y_shape = (1,) * (len(y_shape) - 1) + (y_shape[-1],)
         yv = y.reshape(y_shape)
+        if order is not None:
+            yv = yv.permute(np.argsort(order))
         if not passthrough:
             return Dev(yv)
         return Tup(tuple(Dev(values[0].view.reshape(shp)) if p else Dev(yv)
@@ -738,6 +745,27 @@ class _Extractor:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+def _row_order(views, y_shape):
+    """A row-local region (each output row a function of the same row of every input) may
+    take its rows in any order. When an input's rows are not one strided window in the
+    model's order (Gemma-3 normalises q and k per head after moving the heads before the
+    tokens: rows (h, s) of a (s, h, d) tensor), this is the permutation of the leading axes
+    that reads them in memory order; None when the model's order works or no reordering
+    does (inputs whose leading shapes differ from the output's)."""
+    lead = tuple(y_shape[:-1])
+    if len(lead) < 2 or any(tuple(v.shape[:-1]) != lead for v in views):
+        return None
+    rows = int(np.prod(lead, dtype=np.int64))
+    if all(v.reshape((rows, v.shape[-1])) is not None for v in views):
+        return None
+    first = next(v for v in views if v.reshape((rows, v.shape[-1])) is None)
+    axes = sorted(range(len(lead)), key=lambda a: -first.strides[a] if lead[a] > 1 else 0)
+    order = tuple(axes) + (len(lead),)
+    if all(v.permute(order).reshape((rows, v.shape[-1])) is not None for v in views):
+        return order
+    return None
+
+
 def _host_only(a) -> bool:
     """Is this value computed on the host from positions, constants and shapes alone?"""
     if isinstance(a, Tup):

@@ -8,7 +8,8 @@ ZOO_DIR is the output of ``make_tiny_zoo.sh ZOO_DIR``: its ``<family>_tiny_with_
 files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``falcon_tiny_with_past.onnx``, ``opt_tiny_with_past.onnx``,
 ``mistral_sw24_tiny_with_past.onnx``, ``gemma2_tiny_with_past.onnx``,
-``gptj_tiny_with_past.onnx``, ``cohere_tiny_with_past.onnx`` and ``mpt_tiny_with_past.onnx``
+``gptj_tiny_with_past.onnx``, ``cohere_tiny_with_past.onnx``, ``mpt_tiny_with_past.onnx``
+and ``gemma3_tiny_with_past.onnx``
 (families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
@@ -161,6 +162,19 @@ def export_mpt(work):
         max_seq_len=256))
 
 
+def export_gemma3(work):
+    """Gemma-3 (text): Gemma's layout with q and k RMS-normalised per head after the heads
+    move before the tokens (rows (head, token) of a (token, head, d) projection), norms
+    after attention and MLP, local layers with a sliding window (512, longer than the
+    caches here), multi-query attention."""
+    import transformers
+    _export(work, "gemma3", transformers.Gemma3TextConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=256, sliding_window=512, pad_token_id=0, bos_token_id=2,
+        eos_token_id=1))
+
+
 def main(zoo):
     import torch
     import transformers
@@ -175,6 +189,7 @@ def main(zoo):
     export_gptj(os.path.join(zoo, ".work"))
     export_cohere(os.path.join(zoo, ".work"))
     export_mpt(os.path.join(zoo, ".work"))
+    export_gemma3(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)
