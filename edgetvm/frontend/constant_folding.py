@@ -25,11 +25,16 @@ _NOT_FOLDED = frozenset(
 )
 #: Larger constant inputs are left to TVM: folding is for shape arithmetic, not weights.
 MAX_FOLDED_ELEMENTS = 1 << 16
+#: numpy dtype kinds folded: integers and booleans (index and shape arithmetic). Float
+#: constants (weights, masks' fill values) keep the form TVM's converters give them, which
+#: the annotation passes match.
+_FOLDED_KINDS = "iub"
 
 
 def fold_constant_node(node: onnx.NodeProto, inputs, opset: int):
-    """The node's single output as a ``relax.Constant`` when every input is a small
-    constant and ``onnx.reference`` evaluates the node; else ``None``."""
+    """The node's single output as a ``relax.Constant`` when every input and the output
+    are small integer or boolean constants and ``onnx.reference`` evaluates the node;
+    else ``None``."""
     if node.op_type in _NOT_FOLDED or node.domain not in ("", "ai.onnx") or len(node.output) != 1:
         return None
     arrays = []
@@ -40,7 +45,7 @@ def fold_constant_node(node: onnx.NodeProto, inputs, opset: int):
         if not isinstance(value, tvm.ir.GenericConst):
             return None
         array = value.value.numpy()
-        if array.size > MAX_FOLDED_ELEMENTS:
+        if array.size > MAX_FOLDED_ELEMENTS or array.dtype.kind not in _FOLDED_KINDS:
             return None
         arrays.append(array)
     if not any(array is not None for array in arrays):
@@ -63,6 +68,6 @@ def fold_constant_node(node: onnx.NodeProto, inputs, opset: int):
     except Exception:  # an op the reference lacks or rejects: TVM converts it as before
         return None
     out = np.asarray(out)
-    if out.dtype == object or out.size > MAX_FOLDED_ELEMENTS:
+    if out.dtype.kind not in _FOLDED_KINDS or out.size > MAX_FOLDED_ELEMENTS:
         return None
     return relax.const(out, str(out.dtype))
