@@ -391,7 +391,8 @@ class _Extractor:
                 all(isinstance(a, (Dev, Const)) for a in args):
             return self._host(var, name, args)
         kinds = ", ".join(type(a).__name__ for a in args)
-        raise BuildError(f"{var.name} = {name}({kinds}): host code on NPU data with no NPU "
+        raise BuildError(f"{var.name} = {name}({kinds}){_onnx_node(value)}: host code on NPU "
+                         f"data with no NPU "
                          f"kernel; the phase program cannot run it (the region-by-region "
                          f"reference path can: python -m edgetvm.run model.onnx --reference)")
 
@@ -783,7 +784,16 @@ def _ints(e) -> list:
 
 def _describe(value) -> str:
     op = getattr(value, "op", None)
-    return getattr(op, "name", type(value).__name__)
+    return getattr(op, "name", type(value).__name__) + _onnx_node(value)
+
+
+def _onnx_node(value) -> str:
+    """`` (ONNX node 'NAME')`` for a call the importer converted from a named node (its
+    span, ``EdgeONNXImporter``), else ``""``."""
+    span = getattr(value, "span", None)
+    source = getattr(span, "source_name", None) if span is not None else None
+    name = getattr(source, "name", "") if source is not None else ""
+    return f" (ONNX node {name!r})" if name else ""
 
 
 def _calls(value, symbol: str) -> bool:

@@ -121,6 +121,11 @@ class EdgeONNXImporter(onnx_frontend.ONNXGraphImporter):
             getattr(result, "ty", None), relax.ShapeType
         ):
             return self.bb.normalize(relax.op.shape_to_tensor(result))
+        if isinstance(result, relax.Call) and result.span is None and self.current_node[1]:
+            # the ONNX node's name as the call's span: later errors can name the node
+            span = tvm.ir.Span(tvm.ir.SourceName(self.current_node[1]), 0, 0, 0, 0)
+            return self.bb.normalize(
+                relax.Call(result.op, result.args, result.attrs, result.ty_args, span))
         if override is None:
             return result
         return self.bb.normalize(result) if isinstance(result, relax.Expr) else result

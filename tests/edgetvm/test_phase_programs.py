@@ -80,8 +80,12 @@ def test_a_model_whose_attention_stays_on_the_host_is_refused_not_miscompiled():
     # it between NPU kernels, which a phase program cannot; the build says so
     from edgetvm.build.graph import BuildError
     mc = ModelCompiler(str(_path("falcon")), max_tokens=MAX_TOKENS, max_rows=16)
-    with pytest.raises(BuildError, match="no NPU kernel.*--reference"):
+    with pytest.raises(BuildError, match="no NPU kernel.*--reference") as refusal:
         mc.program("decode", 1, 1)
+    # the refusal names the ONNX node the op came from, which the user can find
+    import onnx
+    node = str(refusal.value).split("(ONNX node '")[1].split("'")[0]
+    assert node in {n.name for n in onnx.load(str(_path("falcon"))).graph.node}
 
 
 @pytest.mark.parametrize("strategy", ["regions", "edgellm"])
