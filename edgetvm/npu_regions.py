@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 import tvm
-from tvm import s_tir
+from tvm import relax, s_tir
 
 from edgetvm.errors import CandidateRejected, EdgeTVMError
 from edgetvm.tir_schedules.fused import (FusionCluster, Stage, knob_names, lower_cluster,
@@ -357,7 +357,7 @@ def _offloadable(region) -> bool:
     if kind == "attention":
         # the kernel masks by causality: a region without a mask is causal only when it
         # has one query (decode); with a mask, the session checks the mask it is given
-        return region.attrs.get("edgetvm.merges_heads") == "1" and _softmax_last_axis(region) \
+        return (merges_heads(region) or keeps_heads(region)) and _softmax_last_axis(region) \
             and ("mask" in attention_roles(region.func) or attrs.get("edgetvm.q_len") == "1")
     return False
 
@@ -374,6 +374,28 @@ def _tensor_inputs(region) -> int:
     dimensions: OPT's (batch * seq, hidden) rows pass ``tir_vars``)."""
     return sum(isinstance(region.func.params[p].ty, tvm.relax.TensorType)
                for p in region.runtime_positions)
+
+
+def merges_heads(region) -> bool:
+    """The attention region's output is (batch, seq, heads * d): heads merged."""
+    return region.attrs.get("edgetvm.merges_heads") == "1"
+
+
+def keeps_heads(region) -> bool:
+    """The attention region's output is heads-major (batch, heads, seq, d): the heads are
+    merged after it, if at all (Falcon reshapes ``out`` to that same shape first). The
+    kernel writes (seq, heads * d); this output is that, transposed (a view in a phase
+    program, a transpose on the reference path)."""
+    if merges_heads(region):
+        return False
+    ty = region.func.ret_ty
+    shape = getattr(ty, "shape", None)
+    values = list(shape.values) if isinstance(shape, relax.ShapeExpr) else None
+    if values is None or len(values) != 4:
+        return False
+    heads, d = (region.attrs.get(f"edgetvm.{a}") for a in ("num_heads", "head_dim"))
+    return all(isinstance(v, tvm.tirx.IntImm) for v in (values[1], values[3])) and \
+        (str(int(values[1])), str(int(values[3]))) == (str(heads), str(d))
 
 
 def _softmax_last_axis(region) -> bool:

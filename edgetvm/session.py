@@ -40,7 +40,8 @@ from edgetvm.tir_schedules.kv_cache import (KV_APPEND_LOWERING, KV_APPEND_PAGES_
 from edgetvm.tir_schedules.workloads import embedding as embedding_workload
 
 from .kv_state import KVState, capacity_bucket
-from .npu_regions import (KernelCache, build_cluster, offloadable, passthrough_outputs,
+from .npu_regions import (KernelCache, build_cluster, keeps_heads, offloadable,
+                          passthrough_outputs,
                           rows_of, unsound_offloads)
 from .offload import offload_regions
 from .region_ops import (activation_input, attention_roles, causal_mask_problem, param_index,
@@ -426,6 +427,7 @@ class NPUSession:
         scale = float(region.attrs.get("edgetvm.scale", "nan"))
         roles = attention_roles(region.func)
         hq, d = int(region.attrs["edgetvm.num_heads"]), int(region.attrs["edgetvm.head_dim"])
+        heads_major_out = keeps_heads(region)
         k_source = region.arg_sources[roles["k"]]
         layer_of_k = past_input(k_source)[0] if getattr(k_source, "kind", None) == \
             "kv_append" else None
@@ -455,6 +457,8 @@ class NPUSession:
                 _check_causal_mask(mask, pos, s, region.index)
             out = self._attend(layer, q[0].transpose(1, 0, 2), pos,
                                scale if scale == scale else d ** -0.5)
+            if heads_major_out:              # (s, hq, d) -> (hq, s, d): Falcon's layout
+                out = out.transpose(1, 0, 2)
             (shape,) = result_shapes(region.func, region.runtime_positions, args)
             return tvm.runtime.tensor(np.ascontiguousarray(
                 out.reshape(shape).astype(np.float32)))

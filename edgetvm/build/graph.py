@@ -34,7 +34,7 @@ import tvm
 from tvm import relax
 
 from edgetvm.errors import EdgeTVMError
-from edgetvm.npu_regions import build_cluster, passthrough_outputs
+from edgetvm.npu_regions import build_cluster, keeps_heads, passthrough_outputs
 from edgetvm.region_ops import (activation_input, attention_roles, param_index, past_input,
                                 rope_roles)
 from edgetvm.target.host_ops import HOST_BINARY, HOST_UNARY, shape_attr
@@ -383,6 +383,9 @@ class _Extractor:
         devs = [a for a in args if isinstance(a, Dev)]
         if isinstance(op, tvm.ir.Op) and name in _GLUE and devs and args[0] is devs[0]:
             return self._glue(var, value, name, devs[0].view)
+        if name == "relax.take" and len(devs) == 1 and args[0] is devs[0] and \
+                isinstance(args[1], Const):
+            return self._take(var, value, devs[0].view, args[1].value)
         if isinstance(op, tvm.ir.Op) and name in _GLUE and isinstance(args[0], Tok):
             return Tok(self.shape(var.ty, var.name))
         if isinstance(op, tvm.ir.Op) and name in _ELEMENTWISE and devs:
@@ -434,6 +437,31 @@ class _Extractor:
                                  f"a copy (no kernel for it yet)")
         if v.shape != out_shape:
             raise BuildError(f"{var.name}: {name} gives {v.shape}, the graph says {out_shape}")
+        return Dev(v)
+
+    def _take(self, var, call, view: View, index: np.ndarray):
+        """``take(x, c, axis)`` at constant indices ``c`` that step evenly (one index, or
+        a strided run): a slice of the view (Falcon picks K and V out of its fused qkv by
+        index); other index sets would need a gather kernel and are refused."""
+        axis = int(call.attrs.axis) % view.ndim if call.attrs.axis is not None else None
+        flat = np.asarray(index, np.int64).reshape(-1)
+        n = view.shape[axis] if axis is not None else 0
+        steps = np.diff(flat)
+        if axis is None or flat.size == 0 or (flat < 0).any() or (flat >= n).any() or \
+                (flat.size > 1 and (steps[0] <= 0 or (steps != steps[0]).any())):
+            raise BuildError(f"{var.name} = relax.take{_onnx_node(call)}: indices "
+                             f"{flat.tolist()} on axis {axis} are not a strided run; the "
+                             f"phase program has no gather kernel")
+        step = int(steps[0]) if flat.size > 1 else 1
+        v = view.slice(axis, int(flat[0]), int(flat[-1]) + 1, step)
+        if np.ndim(index) == 0:
+            v = v.squeeze([axis])
+        elif np.ndim(index) > 1:
+            raise BuildError(f"{var.name} = relax.take{_onnx_node(call)}: a "
+                             f"{np.ndim(index)}-D index")
+        out_shape = self.shape(var.ty, var.name)
+        if v.shape != out_shape:
+            raise BuildError(f"{var.name}: take gives {v.shape}, the graph says {out_shape}")
         return Dev(v)
 
     # -- host arithmetic with an NPU stage ---------------------------------------------------
@@ -649,11 +677,16 @@ class _Extractor:
         (shape,) = self._result_shapes(var)
         out = self.new_tensor(f"L{k.layer}.attn", (self.rows, hq * d))
         outv = out.reshape(qshape)
+        result = out.reshape(shape) if not keeps_heads(region) else \
+            out.reshape((1, self.rows, hq, d)).permute((0, 2, 1, 3))   # (b, h, s, d)
         self.ops.append(Op("attention", f"L{k.layer}.attention", {"q": qv.reshape(qshape)},
                            {"out": outv}, attrs={"q_heads": hq, "head_dim": d, "scale": scale},
                            region=region.index, layer=k.layer))
         self.attention_layers.append(k.layer)
-        return Dev(out.reshape(shape))
+        if tuple(result.shape) != tuple(shape):
+            raise BuildError(f"attention region {region.index}: output {shape}, the kernel "
+                             f"writes {result.shape}")
+        return Dev(result)
 
     def _region_rope(self, var, region, runtime):
         roles = rope_roles(region.func)

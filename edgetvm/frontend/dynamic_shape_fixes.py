@@ -24,6 +24,9 @@ optimum, notes/tvm-0.27.md). Two converters are at fault:
     selected static dimensions as a constant, so TVM folds the arithmetic on them and
     the Slice keeps its shape. A shape whose type is known only by rank (not a
     ``ShapeExpr``) is gathered from through ``shape_to_tensor`` instead of failing.
+``Gather`` of a tensor at constant negative indices
+    TVM normalises them at run time from the tensor's shape; here, when the axis is
+    static, at import (Falcon's fused qkv: K and V at -2 and -1).
 ``Expand`` of a symbolic shape to a constant one
     TVM's converter reads every input dimension as an integer when the target shape is a
     constant (GPT-J expands ``position_ids[..., None]`` by ``ones(3)``). The fix applies
@@ -97,15 +100,22 @@ def convert_gather(bb, inputs, attrs, params, fallback):
     constant; from a shape known only by rank -> ``take`` on ``shape_to_tensor``."""
     del params
     data, indices = inputs[0], inputs[1]
+    if isinstance(data, relax.Expr) and isinstance(data.ty, relax.TensorType):
+        return _gather_at_constant_indices(data, indices, attrs, fallback)
     if not isinstance(data, relax.Expr) or not isinstance(data.ty, relax.ShapeType):
         return fallback()
-    if isinstance(data, relax.ShapeExpr) and isinstance(indices, tvm.ir.GenericConst):
+    # the dims: of a shape literal, or of a shape value whose type knows them (Falcon
+    # gathers its fused qkv's head count from Shape(reshape(qkv)) with a scalar index)
+    known = data.values if isinstance(data, relax.ShapeExpr) else getattr(data.ty, "values", None)
+    if known is not None and isinstance(indices, tvm.ir.GenericConst):
         index = indices.value.numpy()
-        dims = list(data.values)
+        dims = list(known)
         picked = np.take(np.arange(len(dims)), index)
-        if index.ndim > 0 and all(isinstance(dims[i], tvm.tirx.IntImm) for i in picked.flat):
+        scalar_ok = not isinstance(data, relax.ShapeExpr)   # TVM's own converter does that
+        if (index.ndim > 0 or scalar_ok) and all(isinstance(dims[i], tvm.tirx.IntImm)
+                                                 for i in np.ravel(picked)):
             values = np.vectorize(lambda i: int(dims[i]), otypes=[np.int64])(picked)
-            return relax.const(values.astype(np.int64), "int64")
+            return relax.const(np.asarray(values, np.int64), "int64")
     if isinstance(data, relax.ShapeExpr):
         return fallback()
     axis = int(attrs.get("axis", 0))
@@ -248,6 +258,26 @@ def _onnx_slice_bounds(values, dims):
     if all(isinstance(value, tvm.tirx.IntImm) for value in out):
         return relax.const(np.asarray([int(v) for v in out], np.int64), "int64")
     return relax.ShapeExpr(out)
+
+
+def _gather_at_constant_indices(data, indices, attrs, fallback):
+    """``Gather`` of a tensor at constant indices along a static axis -> ``take`` at the
+    indices made non-negative here. TVM's converter normalises negative indices at run
+    time (``where(i < 0, i + Shape(x)[axis], i)``): Falcon picks K and V from its fused
+    qkv at -2 and -1, and that run-time index turned a head split into a gather."""
+    shape = data.ty.shape
+    if not isinstance(indices, tvm.ir.GenericConst) or not isinstance(shape, relax.ShapeExpr):
+        return fallback()
+    axis = int(attrs.get("axis", 0)) % len(shape.values)
+    dim = shape.values[axis]
+    index = indices.value.numpy()
+    if not isinstance(dim, tvm.tirx.IntImm) or index.dtype.kind not in "iu":
+        return fallback()
+    size = int(dim)
+    if ((index < -size) | (index >= size)).any():
+        return fallback()
+    index = np.where(index < 0, index + size, index).astype(np.int64)
+    return relax.op.take(data, relax.const(index, "int64"), axis=axis)
 
 
 def _constant_scalar(value):

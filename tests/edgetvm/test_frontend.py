@@ -313,6 +313,23 @@ def test_all_constant_nodes_fold_so_a_shape_stays_a_shape():
     assert _ret_shape(imported) == ["4", "2", "batch"]
 
 
+@pytest.mark.parametrize("index", [-2, [-1], [0, -3]])
+def test_gather_at_constant_negative_indices_is_resolved_at_import(index):
+    # Falcon picks K and V out of its fused qkv with Gather(axis=2, -2 / -1); TVM resolved
+    # a negative index at run time from the tensor's shape, which made a head split a
+    # data-dependent gather. On a static axis it is resolved at import: no run-time where
+    nodes = [helper.make_node("Gather", ["x", "index"], ["out"], axis=2)]
+    inits = [numpy_helper.from_array(np.array(index, np.int64), "index")]
+    out_dims = ["batch", "seq"] + ([] if np.ndim(index) == 0 else [len(index)]) + [4]
+    model = _symbolic_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 6, 4])],
+        helper.make_tensor_value_info("out", TensorProto.FLOAT, out_dims), inits)
+    feeds = [{"x": np.random.default_rng(n).standard_normal((1, n, 6, 4)).astype(np.float32)}
+             for n in (2, 5)]
+    imported = _against_onnxruntime(model, feeds)
+    assert "R.where" not in imported.mod["main"].script()
+
+
 # -- MatMulNBits as the W4A16 linear ------------------------------------------------------
 
 
