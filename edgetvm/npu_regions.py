@@ -351,7 +351,8 @@ def _offloadable(region) -> bool:
         tables = [v for v in a if v is not None and np.ndim(v) == 2 and v.dtype.kind == "f"]
         return len(tables) == 1
     if kind == "kv_append":            # must read a past_key_values input (with-past export)
-        return any(n and n.startswith("past_key_values_") for n in region.arg_names)
+        return any(n and n.startswith("past_key_values_") for n in region.arg_names) and \
+            _new_tokens_fit_the_cache(region)
     if kind == "rope":
         return region.attrs.get("edgetvm.style") == "rotate_half"
     if kind == "attention":
@@ -374,6 +375,31 @@ def _tensor_inputs(region) -> int:
     dimensions: OPT's (batch * seq, hidden) rows pass ``tir_vars``)."""
     return sum(isinstance(region.func.params[p].ty, tvm.relax.TensorType)
                for p in region.runtime_positions)
+
+
+def _new_tokens_fit_the_cache(region) -> bool:
+    """The KV append's new tokens are (b, s, heads * d), (b, s, heads, d) or (b, heads, s,
+    d) of the cache's heads and d (what the kernel appends); anything else (CodeGen's
+    (b, heads, 4, s, d) split) stays on the host, which concatenates it as the model does."""
+    tensors = [(static_shape_of(p.ty), bool(n and n.startswith("past_key_values_")))
+               for p, n in zip(region.func.params, region.arg_names)
+               if isinstance(p.ty, relax.TensorType)]
+    past = [sh for sh, is_past in tensors if is_past]
+    new = [sh for sh, is_past in tensors if not is_past]
+    if len(past) != 1 or len(new) != 1 or len(past[0]) != 4:
+        return False
+    (_, hk, _, d), new = past[0], new[0]
+    if len(new) == 3:
+        return new[2] == hk * d if isinstance(hk, int) and isinstance(d, int) else False
+    return len(new) == 4 and new[3] == d and hk in (new[1], new[2])
+
+
+def static_shape_of(ty) -> list:
+    """A tensor type's dims: ints where static, the symbolic expression elsewhere."""
+    shape = getattr(ty, "shape", None)
+    if not isinstance(shape, relax.ShapeExpr):
+        return []
+    return [int(v) if isinstance(v, tvm.tirx.IntImm) else v for v in shape.values]
 
 
 def merges_heads(region) -> bool:

@@ -8,8 +8,8 @@ ZOO_DIR is the output of ``make_tiny_zoo.sh ZOO_DIR``: its ``<family>_tiny_with_
 files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``falcon_tiny_with_past.onnx``, ``opt_tiny_with_past.onnx``,
 ``mistral_sw24_tiny_with_past.onnx``, ``gemma2_tiny_with_past.onnx``,
-``gptj_tiny_with_past.onnx``, ``cohere_tiny_with_past.onnx``, ``mpt_tiny_with_past.onnx``
-and ``gemma3_tiny_with_past.onnx``
+``gptj_tiny_with_past.onnx``, ``cohere_tiny_with_past.onnx``, ``mpt_tiny_with_past.onnx``,
+``gemma3_tiny_with_past.onnx`` and ``codegen_tiny_with_past.onnx``
 (families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
@@ -162,6 +162,15 @@ def export_mpt(work):
         max_seq_len=256))
 
 
+def export_codegen(work):
+    """CodeGen: GPT-J's interleaved partial rotary, with its qkv projection split in four
+    groups, so its new K/V reach the cache as (batch, heads, 4, seq, d) pieces."""
+    import transformers
+    _export(work, "codegen", transformers.CodeGenConfig(
+        initializer_range=0.2, vocab_size=512, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+        n_positions=256, n_ctx=256, bos_token_id=0, eos_token_id=0))
+
+
 def export_gemma3(work):
     """Gemma-3 (text): Gemma's layout with q and k RMS-normalised per head after the heads
     move before the tokens (rows (head, token) of a (token, head, d) projection), norms
@@ -190,6 +199,7 @@ def main(zoo):
     export_cohere(os.path.join(zoo, ".work"))
     export_mpt(os.path.join(zoo, ".work"))
     export_gemma3(os.path.join(zoo, ".work"))
+    export_codegen(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

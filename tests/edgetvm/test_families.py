@@ -119,6 +119,10 @@ IMPORTED = {
                "ReduceMax of a constant in a Reshape target"),
     "mpt": ({"layer_norm", "linear", "mlp", "kv_append", "lm_head"},
             "a Slice from kv_len to INT64_MAX"),
+    # not an import fix: two of CodeGen's four appends bring (batch, heads, 4, seq, d)
+    # pieces the append kernel does not take; those stay on the host (they stopped the
+    # run before). Its attention (interleaved rotary, scores divided) is not recognised
+    "codegen": ({"layer_norm", "linear", "mlp", "lm_head"}, ""),
 }
 
 
@@ -129,6 +133,8 @@ def test_family_that_needed_an_import_fix(family):
     session = _npu_session(family)
     kinds = {r.kind for r in session.regions}
     assert IMPORTED[family][0] <= kinds, (family, kinds)
+    if family == "codegen":
+        assert Counter(r.kind for r in session.regions)["kv_append"] == 2
     _check_against_reference(family, session)
 
 
