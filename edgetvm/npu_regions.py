@@ -15,11 +15,12 @@ import tvm
 from tvm import relax, s_tir
 
 from edgetvm.errors import CandidateRejected, EdgeTVMError
+from edgetvm.relax_passes._fusion import function_outputs
 from edgetvm.tir_schedules.fused import (FusionCluster, Stage, knob_names, lower_cluster,
                                          schedule_cluster)
 
 from .region_ops import (activation_input, attention_roles, bindings, depends_on, linears, op_name,
-                         param_index, unpack_uint4_zero_points)
+                         param_index, rope_stage_attrs, unpack_uint4_zero_points)
 
 F16 = "float16"
 
@@ -268,15 +269,20 @@ def build_cluster(region, shapes: list):
         # x (m, heads * rotary_dim) rotated with per-row cos/sin (m, rotary_dim)
         hd = int(shapes[1][-1])
         t.update({"cos": ((m, hd), F16), "sin": ((m, hd), F16)})
-        stages = [Stage("rope", ("x", "cos", "sin"), "y", {"head_dim": hd})]
+        stages = [Stage("rope", ("x", "cos", "sin"), "y",
+                        {**rope_stage_attrs(region), "head_dim": hd})]
         return FusionCluster("rope", t, stages, ("y",), ()), {}, {}, m
     raise EdgeTVMError(f"no NPU kernel for region kind {kind!r}")
 
 
 def layer_norm_params(region) -> tuple:
-    """(gamma, beta, eps) of a ``relax.nn.layer_norm`` region (ValueError otherwise)."""
+    """(gamma, beta, eps) of a layer-norm region over the last axis with constant gain and
+    bias: ``relax.nn.layer_norm``, or the decomposed ``(x - mean(x)) / sqrt(mean(c * c) + eps)
+    [* gamma] [+ beta]`` (older GPT-2 exports; Cohere's bias-free LayerNorm), whose absent
+    gain and bias are ones and zeros. ValueError otherwise."""
     func = region.func
-    for value in bindings(func).values():
+    defs = bindings(func)
+    for value in defs.values():
         if op_name(value) == "relax.nn.layer_norm":
             idx = [param_index(func, v) for v in value.args[1:3]]
             if any(i is None or region.args[i] is None for i in idx) or \
@@ -284,7 +290,44 @@ def layer_norm_params(region) -> tuple:
                     not (value.attrs.center and value.attrs.scale):
                 break
             return region.args[idx[0]], region.args[idx[1]], float(value.attrs.epsilon)
+    else:
+        return _decomposed_layer_norm_params(region, defs)
     raise ValueError("not a last-axis nn.layer_norm with constant gain and bias")
+
+
+def _decomposed_layer_norm_params(region, defs) -> tuple:
+    """Gain and bias of a decomposed layer norm (``AnnotateLayerNorm`` checked the rest):
+    read from the output back, ``add(multiply(normed, gamma), beta)``."""
+    h = int(region.attrs["edgetvm.hidden_size"])
+    eps = float(region.attrs["edgetvm.eps"])
+    params = {"gamma": np.ones(h, np.float32), "beta": np.zeros(h, np.float32)}
+    (value,) = [defs[v] for v in function_outputs(region.func)]
+    for key, op, present in (("beta", "relax.add", "edgetvm.has_bias"),
+                             ("gamma", "relax.multiply", "edgetvm.has_weight")):
+        if region.attrs.get(present) != "1":
+            continue
+        if op_name(value) != op:
+            raise ValueError(f"layer norm {key}: not a {op}")
+        inner = [a for a in value.args if a in defs]
+        outer = [a for a in value.args if a not in defs]
+        if len(inner) != 1 or len(outer) != 1:
+            raise ValueError(f"layer norm {key}: not one constant operand")
+        vec = np.asarray(_constant(region, outer[0]), np.float32).reshape(-1)
+        if vec.size not in (1, h):
+            raise ValueError(f"layer norm {key} of {vec.size} values for {h} columns")
+        params[key] = np.broadcast_to(vec, (h,))
+        value = defs[inner[0]]
+    return params["gamma"], params["beta"], eps
+
+
+def _constant(region, expr):
+    """The value of a region parameter bound to a constant, or of a constant."""
+    i = param_index(region.func, expr)
+    if i is not None and region.args[i] is not None:
+        return region.args[i]
+    if isinstance(expr, tvm.ir.expr.Constant):
+        return expr.data.numpy()
+    raise ValueError("not a constant")
 
 
 def passthrough_outputs(func) -> list | None:
@@ -354,7 +397,7 @@ def _offloadable(region) -> bool:
         return any(n and n.startswith("past_key_values_") for n in region.arg_names) and \
             _new_tokens_fit_the_cache(region)
     if kind == "rope":
-        return region.attrs.get("edgetvm.style") == "rotate_half"
+        return region.attrs.get("edgetvm.style") in ("rotate_half", "rotate_pairs")
     if kind == "attention":
         # the kernel masks by causality: a region without a mask is causal only when it
         # has one query (decode); with a mask, the session checks the mask it is given

@@ -139,11 +139,13 @@ def _result_type(region, call, func):
         return func.ret_ty
     dtype = call.ty.dtype if hasattr(call.ty, "dtype") else "float32"
     if region.kind == "rope":
-        # (x (b, s, h * d), shape [b, s, h, d], cos, sin) -> (b, h, s, d)
+        # (x (b, s, h * d), shape [b, s, h, d], cos, sin) -> (b, h, s, d), or (b, s, h, d)
+        # when the rotation is token-major
         shape = next((a for a in call.args if isinstance(a, relax.ShapeExpr)), None)
         if shape is not None and len(shape.values) == 4:
             b, s, h, d = shape.values
-            return relax.TensorType([b, h, s, d], dtype)
+            heads_major = region.attrs.get("edgetvm.heads_axis", "1") == "1"
+            return relax.TensorType([b, h, s, d] if heads_major else [b, s, h, d], dtype)
     if region.kind == "kv_append":
         past, new = call.args
         if _shaped(past.ty) and _shaped(new.ty):

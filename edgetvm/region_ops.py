@@ -178,11 +178,19 @@ def _trace_to_param(func, defs, expr, through) -> int:
 def rope_roles(func) -> dict:
     """Parameters of a RoPE region: ``x`` (the tensor whose heads rotate), ``cos``, ``sin``.
 
-    The rotation is ``x * cos + rotate_half(x) * sin``: of the two products, the one with
-    a concat (``rotate_half``) operand multiplies ``sin``."""
+    The rotation is ``x * cos + rot(x) * sin``: of the two products, the one with the
+    rotated operand multiplies ``sin``. ``rot(x)`` ends in a concat (``rotate_half``) or
+    in a reshape of one (``rotate_pairs``, a stack flattened)."""
     defs = bindings(func)
     layout = {"relax.reshape", "relax.permute_dims", "relax.expand_dims",
               "relax.broadcast_to", "relax.astype", "relax.strided_slice"}
+
+    def rotated(expr) -> bool:
+        value = defs.get(expr)
+        if op_name(value) == "relax.reshape":
+            value = defs.get(value.args[0])
+        return op_name(value) == "relax.concat"
+
     for value in defs.values():
         if op_name(value) != "relax.add":
             continue
@@ -192,16 +200,31 @@ def rope_roles(func) -> dict:
         roles = {}
         for p in prods:
             a, b = p.args
-            if op_name(defs.get(b)) == "relax.concat":
+            if rotated(b):
                 a, b = b, a
-            if op_name(defs.get(a)) == "relax.concat":
+            if rotated(a):
                 roles["sin"] = _trace_to_param(func, defs, b, layout)
             else:
                 roles["x"] = _trace_to_param(func, defs, a, layout)
                 roles["cos"] = _trace_to_param(func, defs, b, layout)
         if set(roles) == {"x", "cos", "sin"}:
             return roles
-    raise ValueError("no rotate-half rotation in the region")
+    raise ValueError("no rotary rotation in the region")
+
+
+def rope_stage_attrs(region) -> dict:
+    """The ``rope`` stage's attributes for a RoPE region: the rotated width per head and,
+    for the GPT-J form, ``pairs``."""
+    attrs = {"head_dim": int(region.attrs["edgetvm.rotary_dim"])}
+    if region.attrs.get("edgetvm.style") == "rotate_pairs":
+        attrs["pairs"] = True
+    return attrs
+
+
+def rope_heads_axis(region) -> int:
+    """1 when the region's output is (b, h, s, d), 2 when it is token-major (b, s, h, d)
+    (``AnnotateRoPE``)."""
+    return int(region.attrs.get("edgetvm.heads_axis", "1"))
 
 
 def bind_dims(func, positions, args) -> dict:

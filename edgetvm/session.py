@@ -45,7 +45,7 @@ from .npu_regions import (KernelCache, build_cluster, keeps_heads, offloadable,
                           rows_of, unsound_offloads)
 from .offload import offload_regions
 from .region_ops import (activation_input, attention_roles, causal_mask_problem, param_index,
-                         past_input, result_shapes, rope_roles)
+                         past_input, result_shapes, rope_heads_axis, rope_roles)
 
 log = logging.getLogger("edgetvm")
 _SESSION_IDS = itertools.count()
@@ -266,17 +266,18 @@ class NPUSession:
         rotary, puts back the dimensions that do not rotate."""
         roles = rope_roles(region.func)
         rotary = int(region.attrs["edgetvm.rotary_dim"])
+        heads_major = rope_heads_axis(region) == 1
 
         def run(*args):
             given = dict(zip(region.runtime_positions, args))
             const = dict(enumerate(region.args))
             value = {k: (given[i].numpy() if i in given else const[i]) for k, i in roles.items()}
             (out_shape,) = result_shapes(region.func, region.runtime_positions, args)
-            b, h, s, d = out_shape
+            b, h, s, d = (out_shape[i] for i in ((0, 1, 2, 3) if heads_major else (0, 2, 1, 3)))
             x = value["x"]
-            if x.ndim == 4:
-                # a 4-D input is heads-major (b, h, s, d): the rotation multiplies it with
-                # cos/sin of shape (.., s, d); a projection output (b, s, h * d) is 3-D
+            if x.ndim == 4 and heads_major:
+                # a 4-D input is laid out as the output, (b, h, s, d) or (b, s, h, d); a
+                # projection output (b, s, h * d) is 3-D
                 x = x.transpose(0, 2, 1, 3)
             x = np.ascontiguousarray(x).reshape(b, s, h, d)
             cos, sin = (np.broadcast_to(np.asarray(value[k], np.float32).reshape(
@@ -287,7 +288,9 @@ class NPUSession:
             y = y.reshape(b, s, h, rotary).astype(np.float32)
             if rotary < d:
                 y = np.concatenate([y, x[..., rotary:].astype(np.float32)], axis=-1)
-            return tvm.runtime.tensor(np.ascontiguousarray(y.transpose(0, 2, 1, 3)))
+            if heads_major:
+                y = y.transpose(0, 2, 1, 3)
+            return tvm.runtime.tensor(np.ascontiguousarray(y))
         return run
 
     def _embedding_fn(self, region):

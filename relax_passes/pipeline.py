@@ -27,6 +27,8 @@ def semantic_passes() -> list:
       attention scale ``sqrt(1 / sqrt(head_dim))``, Gemma's ``1 + weight``), and a pattern
       that expects a constant would not see one;
     - identity casts next: they sit between the ops the patterns look for;
+    - LayerNorm before RMSNorm: a spelled-out LayerNorm ends in an RMSNorm of the centred
+      input (Cohere's), which RMSNorm would claim, leaving the centring on the host;
     - norms, RoPE and KV append before attention: they are attention's inputs, and a
       wildcard input may be a region output but never absorbs one;
     - MLP and lm_head before linear: they contain projections and claim them first;
@@ -38,8 +40,8 @@ def semantic_passes() -> list:
         RemoveIdentityCasts(),
         AnnotateEmbedding(),
         AnnotateAttentionMask(),
-        AnnotateRMSNorm(),
         AnnotateLayerNorm(),
+        AnnotateRMSNorm(),
         AnnotateRoPE(),
         AnnotateKVAppend(),
         AnnotateAttention(),

@@ -80,6 +80,7 @@ VECTOR_OP_ARITY = {
     "gelu_tanh": 1,                                   # GELU, erf form / tanh approximation
     "cast": 1, "copy": 1,
     "rope": 3,                                        # x*cos + rotate_half(x)*sin, (x, cos, sin)
+    "rope_pairs": 3,                                  # x*cos + rotate_pairs(x)*sin (GPT-J form)
     "mask": 1,                                        # -inf outside limit / causal band
 }
 

@@ -179,7 +179,7 @@ def _analyse(func, blocks) -> tuple:
     out_names = [p.name for p in func.params if isinstance(p.ty, BufferType) and
                  any(w.source.name == p.name for _, b in blocks for w in b.writes)]
     m_ext = int(blocks[-1][1].iter_vars[0].dom.extent)
-    elementwise = all(_op_of(b) not in ("mma", "vector:rope") and len(b.iter_vars) == 2 and
+    elementwise = all(_op_of(b) not in ("mma",) + W.ROPE_OPS and len(b.iter_vars) == 2 and
                       all(iv.iter_type == 0 for iv in b.iter_vars) for _, b in blocks)
     return out_names, m_ext, elementwise, _input_roles(func, blocks)
 
@@ -293,7 +293,7 @@ def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=
         if op == "mma":
             done |= _schedule_matmul_stage(sch, rv, loops[depth:], loads, stores,
                                            matmul.get(name[:-len("_acc")], {}), so)
-        elif op == "vector:rope":
+        elif op in W.ROPE_OPS:
             head_dim = int(blk.annotations["npu.head_dim"])
             h, d = sch.split(loops[depth + 1], [None, head_dim])
             sch.reorder(h, loops[depth], d)

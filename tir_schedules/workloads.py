@@ -126,12 +126,14 @@ def layer_norm_te(x, w, b, eps: float = 1e-5, name: str = "ln"):
                       name=name, attrs=_op("vector:add"))
 
 
-def rope_te(x, cos, sin, head_dim: int, name: str = "rope"):
-    """Rotate-half RoPE of every head of ``x`` (m, heads * head_dim); cos/sin (m, head_dim).
+def rope_te(x, cos, sin, head_dim: int, name: str = "rope", pairs: bool = False):
+    """RoPE of every head of ``x`` (m, heads * head_dim); cos/sin (m, head_dim).
 
-    ``out = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]`` per head.
-    The block carries ``npu.head_dim``: the vector unit's rope op rotates the halves of the
-    columns it is given, so the schedule issues one op per head.
+    ``out = x * cos + rot(x) * sin`` per head, where ``rot`` is ``rotate_half(x) = [-x2,
+    x1]`` (Llama, NeoX) or, with ``pairs``, ``rotate_pairs``: each (even, odd) pair
+    ``(a, b)`` becomes ``(-b, a)`` (GPT-J, Cohere; cos/sin then repeat per pair).
+    The block carries ``npu.head_dim``: the vector unit's rope op rotates the columns it
+    is given, so the schedule issues one op per head.
     """
     m, n = (int(s) for s in x.shape)
     if n % head_dim or head_dim % 2:
@@ -140,11 +142,17 @@ def rope_te(x, cos, sin, head_dim: int, name: str = "rope"):
 
     def f(i, c):
         d = tirx.floormod(c, head_dim)
-        xr = x[i, c - d + tirx.floormod(d + half, head_dim)].astype(F32)
-        rot = tirx.Select(d < half, -xr, xr)
+        if pairs:
+            odd = tirx.floormod(d, 2)
+            xr = x[i, c + 1 - 2 * odd].astype(F32)
+            rot = tirx.Select(odd == 0, -xr, xr)
+        else:
+            xr = x[i, c - d + tirx.floormod(d + half, head_dim)].astype(F32)
+            rot = tirx.Select(d < half, -xr, xr)
         return (x[i, c].astype(F32) * cos[i, d].astype(F32) +
                 rot * sin[i, d].astype(F32)).astype(x.dtype)
-    return te.compute((m, n), f, name=name, attrs=_op("vector:rope", **{"npu.head_dim": head_dim}))
+    op = "vector:rope_pairs" if pairs else "vector:rope"
+    return te.compute((m, n), f, name=name, attrs=_op(op, **{"npu.head_dim": head_dim}))
 
 
 def silu_mul_te(g, u, name: str = "silu_mul"):
@@ -274,6 +282,10 @@ def embedding_te(ids, table, name: str = "embed"):
     return te.compute((s, h), lambda i, j: table[ids[i], j], name=name, attrs=_op("dma"))
 
 
+#: the vector unit's rotations (``rope_te``)
+ROPE_OPS = ("vector:rope", "vector:rope_pairs")
+
+
 def row_prim_func(inputs, outputs):
     """``te.create_prim_func`` plus the declared access of rope blocks.
 
@@ -297,7 +309,7 @@ def _declare_rope_reads(func):
         if isinstance(stmt, s_tir.SBlockRealize):
             blk = stmt.block
             reads = list(blk.reads)
-            if str(blk.annotations.get("npu.op", "")) == "vector:rope":
+            if str(blk.annotations.get("npu.op", "")) in ROPE_OPS:
                 point = [ir.Range.from_min_extent(r.min, 1) for r in blk.writes[0].region]
                 reads[0] = tirx.BufferRegion(reads[0].source, point)
             new = s_tir.SBlock(blk.iter_vars, reads, blk.writes, blk.name_hint, rebuild(blk.body),
@@ -322,12 +334,12 @@ def layer_norm(m: int, h: int, eps: float = 1e-5):
     return row_prim_func([x, w, b], [layer_norm_te(x, w, b, eps, name="out")])
 
 
-def rope(m: int, n_heads: int, head_dim: int):
+def rope(m: int, n_heads: int, head_dim: int, pairs: bool = False):
     """out (m, heads * head_dim) = RoPE(x) with cos/sin (m, head_dim) given as inputs."""
     x = te.placeholder((m, n_heads * head_dim), "float16", name="x")
     cos = te.placeholder((m, head_dim), "float16", name="cos")
     sin = te.placeholder((m, head_dim), "float16", name="sin")
-    return row_prim_func([x, cos, sin], [rope_te(x, cos, sin, head_dim, name="out")])
+    return row_prim_func([x, cos, sin], [rope_te(x, cos, sin, head_dim, name="out", pairs=pairs)])
 
 
 def silu_mul(m: int, n: int):

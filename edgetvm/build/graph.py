@@ -36,7 +36,7 @@ from tvm import relax
 from edgetvm.errors import EdgeTVMError
 from edgetvm.npu_regions import build_cluster, keeps_heads, passthrough_outputs
 from edgetvm.region_ops import (activation_input, attention_roles, param_index, past_input,
-                                rope_roles)
+                                rope_heads_axis, rope_roles, rope_stage_attrs)
 from edgetvm.target.host_ops import HOST_BINARY, HOST_UNARY, shape_attr
 from edgetvm.target.isa import Affine
 from edgetvm.tir_schedules.fused import Stage
@@ -691,13 +691,17 @@ class _Extractor:
     def _region_rope(self, var, region, runtime):
         roles = rope_roles(region.func)
         rotary = int(region.attrs["edgetvm.rotary_dim"])
-        (out_shape,) = self._result_shapes(var)          # (b, h, s, d)
-        b, h, s, d = out_shape
+        heads_major = rope_heads_axis(region) == 1
+        (out_shape,) = self._result_shapes(var)          # (b, h, s, d) or (b, s, h, d)
+        b, h, s, d = (out_shape[i] for i in ((0, 1, 2, 3) if heads_major else (0, 2, 1, 3)))
         x = runtime.get(roles["x"])
         if not isinstance(x, Dev):
             raise BuildError(f"RoPE region {region.index}: x is not NPU data")
         xv = x.view
-        xv = xv.permute((0, 2, 1, 3)) if xv.ndim == 4 else xv.reshape((b, s, h, d))
+        if xv.ndim == 4:                                       # laid out as the output
+            xv = xv.permute((0, 2, 1, 3)) if heads_major else xv
+        else:
+            xv = xv.reshape((b, s, h, d))
         if xv is None or xv.shape != (b, s, h, d):
             raise BuildError(f"RoPE region {region.index}: cannot address x as (b, s, h, d)")
         xv = xv.squeeze([0])                                  # (s, h, d)
@@ -712,13 +716,14 @@ class _Extractor:
         ov = out.reshape((s, h, d))
         rot_in = xv.slice(2, 0, rotary)
         rot_out = ov.slice(2, 0, rotary)
-        self._stage(Stage("rope", ("x", "cos", "sin"), "y", {"head_dim": rotary}),
+        self._stage(Stage("rope", ("x", "cos", "sin"), "y", rope_stage_attrs(region)),
                     {"x": rot_in, **cos_sin}, rot_out, f"r{region.index}.rope",
                     region.index)
         if rotary < d:                        # the dimensions that do not rotate: a copy
             self._stage(Stage("copy", ("x",), "y"), {"x": xv.slice(2, rotary, d)},
                         ov.slice(2, rotary, d), f"r{region.index}.pass", region.index)
-        return Dev(ov.expand_dims([0]).permute((0, 2, 1, 3)))
+        out_view = ov.expand_dims([0])                        # (1, s, h, d)
+        return Dev(out_view.permute((0, 2, 1, 3)) if heads_major else out_view)
 
     def _region_rowlocal(self, var, region, runtime):
         """Norms, linears, MLPs, activations, residual adds: the stages of the region's

@@ -107,15 +107,22 @@ class PositionFunction:
         return None
 
 
-def _lookup_rows(value, by_symbol) -> int | None:
-    """Rows of the constant table ``value`` looks positions up in, if it is such a lookup
-    (``take`` from a constant, or an embedding region)."""
+def _lookup_rows(value, by_symbol, constant) -> int | None:
+    """Rows of the constant table ``value`` looks positions up in, if it is such a lookup:
+    ``take`` or ``gather_elements`` from a float table of static rows computed from
+    constants alone (``constant(expr)``; GPT-J gathers its sin/cos rows from a broadcast of
+    its table), or an embedding region."""
     if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
         return None
-    if value.op.name == "relax.take" and isinstance(value.args[0], tvm.ir.expr.Constant):
-        shape = value.args[0].value.shape
+    if value.op.name in ("relax.take", "relax.gather_elements"):
+        table = value.args[0]
+        ty = table.ty
+        if not constant(table) or not isinstance(ty, relax.TensorType) or \
+                not str(ty.dtype).startswith("float") or ty.shape is None:
+            return None
         axis = int(value.attrs.axis) if value.attrs.axis is not None else 0
-        return int(shape[axis])
+        rows = ty.shape.values[axis]
+        return int(rows) if isinstance(rows, tvm.tirx.IntImm) else None
     if value.op.name == "relax.call_pure_packed":
         region = by_symbol.get(str(value.args[0].global_symbol))
         if region is not None and region.kind == "embedding":
@@ -127,11 +134,17 @@ def _lookup_rows(value, by_symbol) -> int | None:
 
 def position_limit(mod, regions) -> int | None:
     """How many positions the model can address: the rows of the smallest constant table
-    it looks something other than the token ids up in (a learned position embedding),
-    or None when it looks nothing up by position (RoPE computes its angles)."""
+    it looks something other than the token ids up in (a learned position embedding, a
+    precomputed sin/cos cache), or None when it looks nothing up by position (RoPE
+    computes its angles)."""
     main = mod["main"]
     by_symbol = {r.symbol: r for r in regions}
     from_ids = {p for p in main.params if p.name == "input_ids"}
+    from_constants = set()
+
+    def constant(expr) -> bool:
+        return isinstance(expr, tvm.ir.expr.Constant) or expr in from_constants
+
     limit = None
     for blk in main.body.blocks:
         for b in blk.bindings:
@@ -139,10 +152,20 @@ def position_limit(mod, regions) -> int | None:
             if used & from_ids:
                 from_ids.add(b.var)
                 continue
-            rows = _lookup_rows(b.value, by_symbol)
+            # a broadcast of a table to the batch size (a symbolic dim) is still the table
+            data = {v for v in used if isinstance(v.ty, (relax.TensorType, relax.TupleType))}
+            if data <= from_constants and (not isinstance(b.value, relax.Call) or
+                                           _pure(b.value)):
+                from_constants.add(b.var)
+            rows = _lookup_rows(b.value, by_symbol, constant)
             if rows is not None:
                 limit = rows if limit is None else min(limit, rows)
     return limit
+
+
+def _pure(value) -> bool:
+    """A call of a Relax operator (not of a region or an extern function)."""
+    return isinstance(value.op, tvm.ir.Op) and value.op.name != "relax.call_pure_packed"
 
 
 def _concrete(ty, dims: dict, what: str) -> tuple:

@@ -116,6 +116,13 @@ def vector(cmd: Vector, tcm: np.ndarray, params) -> None:
         h = x.shape[1] // 2
         rot = np.concatenate([-x[:, h:], x[:, :h]], axis=1)
         r = x * cos + rot * sin
+    elif op == "rope_pairs":
+        # rotate_pairs: each (even, odd) column pair (a, b) becomes (-b, a)
+        cos = tcm_view(tcm, cmd.srcs[1]).astype(_F32)
+        sin = tcm_view(tcm, cmd.srcs[2]).astype(_F32)
+        rot = np.empty_like(x)
+        rot[:, 0::2], rot[:, 1::2] = -x[:, 1::2], x[:, 0::2]
+        r = x * cos + rot * sin
     elif op == "mask":
         rows, cols = x.shape
         keep = np.ones((rows, cols), dtype=bool)

@@ -228,9 +228,9 @@ def _check_vector(cmd, program, spec):
     if arity == 2 and len(srcs) == 2 and tuple(srcs[1].shape) not in \
             ((rows, cols), (rows, 1), (1, cols)):
         _fail(f"vector {cmd.op}: src1 {srcs[1].shape} does not broadcast to {(rows, cols)}")
-    if cmd.op == "rope":
+    if cmd.op in ("rope", "rope_pairs"):
         if cols % 2 or any(tuple(s.shape) != (rows, cols) for s in srcs[1:]):
-            _fail("vector rope: cos/sin must match x, and x must have an even number of cols")
+            _fail(f"vector {cmd.op}: cos/sin must match x, and x must have an even number of cols")
     if cmd.op == "mask":
         _check_params(cmd.limit, program, "mask limit")
         _check_params(cmd.causal_offset, program, "mask causal_offset")

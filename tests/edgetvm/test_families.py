@@ -109,13 +109,13 @@ def test_falcon_attention_that_keeps_its_heads_runs_on_the_npu():
 
 
 #: families whose import needed a front-end fix: family -> (regions that must run on the NPU,
-#: what the export needed). Their interleaved rotary (GPT-J, Cohere) and ALiBi attention
-#: (MPT) have no NPU kernel yet: that part stays on the host. Cohere's bias-free
-#: LayerNorm is an RMSNorm of the centred input (the centring on the host)
+#: what the export needed). GPT-J's and Cohere's rotary rotates neighbouring pairs (the
+#: vector unit's rope_pairs); Cohere's bias-free LayerNorm is spelled out with a
+#: reciprocal square root. MPT's ALiBi attention has no NPU kernel yet: it stays on the host
 IMPORTED = {
-    "gptj": ({"layer_norm", "linear", "attention", "mlp", "kv_append", "lm_head"},
+    "gptj": ({"layer_norm", "linear", "attention", "mlp", "kv_append", "lm_head", "rope"},
              "a Tile by a Shape, an Expand of symbolic dims"),
-    "cohere": ({"rms_norm", "linear", "attention", "mlp", "kv_append"},
+    "cohere": ({"layer_norm", "linear", "attention", "mlp", "kv_append", "rope"},
                "ReduceMax of a constant in a Reshape target"),
     "mpt": ({"layer_norm", "linear", "mlp", "kv_append", "lm_head"},
             "a Slice from kv_len to INT64_MAX"),

@@ -28,7 +28,7 @@ PROMPT = [5, 17, 42, 7]
 NEW_TOKENS = 16               # 4 + 16 tokens: the cache crosses its first 16-token page
 MAX_TOKENS = 128
 FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "gemma2",
-            "gemma3", "falcon")
+            "gemma3", "falcon", "gptj", "cohere")
 
 _compilers: dict = {}
 
@@ -76,17 +76,17 @@ def test_every_family_token_exact_with_region_kernels(family):
 
 
 def test_a_model_with_host_code_on_npu_data_is_refused_not_miscompiled():
-    # GPT-J rotates pairs of dimensions (interleaved rotary), which no NPU kernel does:
-    # the host would have to run that between NPU kernels, with a concat a host op cannot
-    # take, which a phase program cannot; the build says so
+    # MPT adds ALiBi biases to its attention scores, which no NPU kernel does: the host
+    # would have to run that attention between NPU kernels, which a phase program cannot;
+    # the build says so
     from edgetvm.build.graph import BuildError
-    mc = ModelCompiler(str(_path("gptj")), max_tokens=MAX_TOKENS, max_rows=16)
+    mc = ModelCompiler(str(_path("mpt")), max_tokens=MAX_TOKENS, max_rows=16)
     with pytest.raises(BuildError, match="no NPU kernel.*--reference") as refusal:
         mc.program("decode", 1, 1)
     # the refusal names the ONNX node the op came from, which the user can find
     import onnx
     node = str(refusal.value).split("(ONNX node '")[1].split("'")[0]
-    assert node in {n.name for n in onnx.load(str(_path("gptj"))).graph.node}
+    assert node in {n.name for n in onnx.load(str(_path("mpt"))).graph.node}
 
 
 @pytest.mark.parametrize("strategy", ["regions", "edgellm"])
@@ -236,7 +236,7 @@ def test_random_biases_and_norm_gains_in_fused_kernels(family, tmp_path):
     # the exports' biases are zero and their norm gains one; made random here, so a fused
     # kernel that drops a bias or a gain, or swaps them, changes the answer
     path = tmp_path / f"{family}_random_vectors.onnx"
-    assert with_random_vectors(_path(family), path) >= 5
+    assert with_random_vectors(_path(family), path) >= 3     # Cohere: its 3 norm gains
     _check(family, "mega", path=path)
 
 

@@ -483,6 +483,21 @@ def test_vector_rope_rotate_half(spec):
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
 
 
+def test_vector_rope_pairs_rotates_neighbouring_columns(spec):
+    # GPT-J / Cohere: pairs (x[2i], x[2i+1]) rotate by the angle of i, cos/sin repeated
+    # per pair; a rotation of the halves (or of the wrong neighbour) gives other values
+    x = RNG.standard_normal((3, 64)).astype(np.float32)
+    ang = RNG.standard_normal((3, 32)).astype(np.float32)
+    cos, sin = np.repeat(np.cos(ang), 2, axis=1), np.repeat(np.sin(ang), 2, axis=1)
+    y, c = run_vector(spec, "rope_pairs", [x, cos, sin])
+    even, odd = x[:, 0::2], x[:, 1::2]
+    want = np.empty_like(x)
+    want[:, 0::2] = even * np.cos(ang) - odd * np.sin(ang)
+    want[:, 1::2] = odd * np.cos(ang) + even * np.sin(ang)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    assert c.busy_cycles["vector"] == vector_cycles(spec, "rope", 3, 64)
+
+
 @pytest.mark.parametrize("length, pos", [(16, 15), (10, 12), (5, 2)])
 def test_vector_mask_limit_and_causal_offset(spec, length, pos):
     rows, cols = 4, 16
@@ -498,7 +513,7 @@ def test_vector_mask_limit_and_causal_offset(spec, length, pos):
 def test_every_vector_op_is_covered():
     tested = set(BINARY) | {"reduce_max", "reduce_sum", "exp", "rsqrt", "silu", "gelu",
                             "gelu_tanh", "cast",
-                            "copy", "rope", "mask"}
+                            "copy", "rope", "rope_pairs", "mask"}
     assert tested == set(VECTOR_OP_ARITY)
 
 
