@@ -170,6 +170,8 @@ def compiled_path(model: str, quantize=None) -> str:
         lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
         return f"{head} fails to compile ({type(err).__name__}: " \
                f"{lines[-1] if lines else ''}): please report it"
+    if mc.capacity_bound:
+        head += f" KV cache capacity {mc.max_tokens} tokens by default ({mc.capacity_bound});"
     if not notes:
         return f"{head} every op on the NPU"
     return "\n  ".join([f"{head} {len(notes)} op(s) on the host between NPU kernels:"] +

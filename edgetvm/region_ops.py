@@ -282,10 +282,9 @@ def causal_mask_problem(mask, pos: int, s: int) -> str | None:
     mask of queries at ``pos..pos + s - 1`` (0 where key j <= the query's position, <= -1e4
     elsewhere), or None when it is that mask."""
     total = pos + s
-    m = np.asarray(mask).reshape(-1, np.shape(mask)[-2], np.shape(mask)[-1])
-    if m.shape[-2:] != (s, total):
+    if np.shape(mask)[-2:] != (s, total):
         return f"mask of shape {np.shape(mask)}, expected (..., {s}, {total})"
-    behind = (pos + np.arange(s))[:, None] - np.arange(total)[None, :]   # query - key
+    m, behind = _rows_and_distances(mask, pos, s)
     visible = behind >= 0
     if np.all(m[:, visible] == 0) and np.all(m[:, ~visible] <= -1e4):
         return None
@@ -297,6 +296,20 @@ def causal_mask_problem(mask, pos: int, s: int) -> str | None:
                 f"the model hides: build with --max-tokens {window} or less")
     return ("the model adds a bias that is not the causal mask (an additive position bias "
             "such as ALiBi, or padding); the NPU attention kernel masks by causality only")
+
+
+def mask_window(mask, pos: int, s: int) -> int | None:
+    """The sliding window of an additive attention ``mask`` (..., s, pos + s) of queries at
+    ``pos..``: ``w`` when it is causal and hides every key ``w`` or more positions behind
+    its query, else None (causal, or another bias)."""
+    return sliding_window(*_rows_and_distances(mask, pos, s))
+
+
+def _rows_and_distances(mask, pos: int, s: int):
+    """The mask as (..., s, pos + s) rows and each (query, key)'s query - key."""
+    m = np.asarray(mask).reshape(-1, np.shape(mask)[-2], np.shape(mask)[-1])
+    behind = (pos + np.arange(s))[:, None] - np.arange(pos + s)[None, :]
+    return m, behind
 
 
 def sliding_window(m, behind) -> int | None:

@@ -28,7 +28,7 @@ from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules.kv_cache import PAGE_TOKENS, KVCacheLayout
 
 from .cuts import apply_cuts
-from .graph import BuildError, extract_phase_graph
+from .graph import BuildError, SlidingWindowError, extract_phase_graph
 from .kernels import KernelBuilder
 from .link import Linker, plan_dram
 from .positions import evaluate_positions, position_limit
@@ -75,6 +75,10 @@ class ModelCompiler:
                  dict(Counter(r.kind for r in self.regions)), time.time() - t0)
         self.position_limit = position_limit(self.mod, self.regions)
         self.max_tokens = resolve_max_tokens(max_tokens, self.position_limit)
+        #: what bounds the default KV capacity below DEFAULT_MAX_TOKENS, if anything
+        self.capacity_bound = None
+        if max_tokens is None and self.max_tokens < DEFAULT_MAX_TOKENS:
+            self.capacity_bound = f"the model's position table of {self.position_limit} rows"
         self._tables: dict = {}
         self._checked_masks: set = set()
         self._graphs: dict = {}
@@ -82,6 +86,8 @@ class ModelCompiler:
         self._partitions: dict = {}     # (id(graph), strategy, profile) -> (graph, groups)
         self.kernels = None
         self.layout = None
+        if max_tokens is None:
+            self._fit_sliding_window()
 
     @property
     def page_tokens(self) -> int:
@@ -90,6 +96,25 @@ class ModelCompiler:
     @property
     def num_pages(self) -> int:
         return -(-self.max_tokens // PAGE_TOKENS)
+
+    def _fit_sliding_window(self) -> None:
+        """Cap the default KV capacity at the model's sliding window, if it has one.
+
+        Attention that sees only the last ``w`` tokens (Mistral; Gemma-2's and Gemma-3's
+        local layers) is causal attention for a cache of at most ``w`` tokens, which is
+        what the NPU kernel does; a longer cache would attend to keys the model hides. The
+        decode graph of the largest capacity checks the masks where the cache ends; it is
+        the first graph every build needs, so this costs nothing when there is no window.
+        Asking for a longer cache with ``--max-tokens`` is refused, naming the window."""
+        try:
+            self.graph("decode", 1, capacity_bucket(self.num_pages))
+        except SlidingWindowError as err:
+            if err.window >= self.max_tokens:
+                raise
+            log.warning("the model's attention sees the last %d tokens (a sliding window): "
+                        "KV cache capacity %d", err.window, err.window)
+            self.max_tokens = err.window
+            self.capacity_bound = f"the model's sliding window of {err.window} tokens"
 
     def graph(self, phase: str, rows: int, pages: int):
         """The phase graph of one bucket, its position tables filled in."""

@@ -52,6 +52,15 @@ class BuildError(EdgeTVMError):
     """The model cannot be compiled into a phase program (the message names the op)."""
 
 
+class SlidingWindowError(BuildError):
+    """The model's attention hides keys ``window`` or more positions behind the query,
+    which a KV cache longer than the window would attend to."""
+
+    def __init__(self, message: str, window: int):
+        super().__init__(message)
+        self.window = window
+
+
 # -- the graph ---------------------------------------------------------------------------
 @dataclass
 class Tensor:

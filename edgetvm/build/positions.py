@@ -17,9 +17,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from edgetvm.region_ops import causal_mask_problem
+from edgetvm.region_ops import causal_mask_problem, mask_window
 
-from .graph import BuildError
+from .graph import BuildError, SlidingWindowError
 
 HOST = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 #: (past, new) lengths at which masks are checked and tables cross-checked
@@ -236,7 +236,10 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
         for var in mask_vars:
             problem = causal_mask_problem(got[var], past, new)
             if problem:
-                raise BuildError(f"attention region {index_of[var]}: {problem}")
+                message = f"attention region {index_of[var]}: {problem}"
+                window = mask_window(got[var], past, new)
+                raise BuildError(message) if window is None else \
+                    SlidingWindowError(message, window)
     return {name: data[var].astype(np.float16) for name, var in tables.items()}
 
 

@@ -150,7 +150,10 @@ def test_inspect_says_what_the_compiled_path_makes_of_a_model(capsys):
                              ln.startswith("  lv")) for f, out in said.items()}
     assert compiled["llama"].endswith("every op on the NPU")
     assert "1 op(s) on the host" in compiled["gemma2"] and "relax.tanh" in compiled["gemma2"]
-    assert "refused" in compiled["mistral_sw24"] and "--max-tokens 24" in compiled["mistral_sw24"]
+    # Mistral's sliding window bounds the default KV capacity (a longer cache is refused:
+    # below)
+    assert "capacity 24 tokens by default (the model's sliding window of 24 tokens); " \
+        "every op on the NPU" in compiled["mistral_sw24"]
 
 
 def test_a_sliding_window_within_the_cache_is_refused_not_miscompiled():
@@ -166,6 +169,11 @@ def test_a_sliding_window_within_the_cache_is_refused_not_miscompiled():
         mc.program("decode", 1, 1)
     mc = ModelCompiler(str(path), max_tokens=24, max_rows=16)
     _check("mistral_sw24", "regions", mc=mc)
+    # without --max-tokens, the capacity is the window (before: refused at the default
+    # 1,024); Gemma-3's local layers' window is 512
+    assert ModelCompiler(str(path), max_rows=16).max_tokens == 24
+    assert ModelCompiler(str(_path("gemma3")), max_rows=16).max_tokens == 512
+    assert ModelCompiler(str(_path("gemma2")), max_rows=16).max_tokens == 1024
 
 
 def test_causal_mask_check():
