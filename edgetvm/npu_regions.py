@@ -421,9 +421,10 @@ def _tensor_inputs(region) -> int:
 
 
 def _new_tokens_fit_the_cache(region) -> bool:
-    """The KV append's new tokens are (b, s, heads * d), (b, s, heads, d) or (b, heads, s,
-    d) of the cache's heads and d (what the kernel appends); anything else (CodeGen's
-    (b, heads, 4, s, d) split) stays on the host, which concatenates it as the model does."""
+    """The KV append's new tokens are (b, s, heads * d), (b, s, heads, d), (b, heads, s,
+    d) or (b, s, a, c, d) with a * c = heads (CodeGen's heads in ``mp_num`` groups, merged
+    by the region's reshape) of the cache's heads and d (what the kernel appends); anything
+    else stays on the host, which concatenates it as the model does."""
     tensors = [(static_shape_of(p.ty), bool(n and n.startswith("past_key_values_")))
                for p, n in zip(region.func.params, region.arg_names)
                if isinstance(p.ty, relax.TensorType)]
@@ -432,8 +433,13 @@ def _new_tokens_fit_the_cache(region) -> bool:
     if len(past) != 1 or len(new) != 1 or len(past[0]) != 4:
         return False
     (_, hk, _, d), new = past[0], new[0]
+    if not (isinstance(hk, int) and isinstance(d, int)):
+        return False
     if len(new) == 3:
-        return new[2] == hk * d if isinstance(hk, int) and isinstance(d, int) else False
+        return new[2] == hk * d
+    if len(new) == 5:
+        return isinstance(new[2], int) and isinstance(new[3], int) and \
+            new[2] * new[3] == hk and new[4] == d
     return len(new) == 4 and new[3] == d and hk in (new[1], new[2])
 
 

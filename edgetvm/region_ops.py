@@ -277,6 +277,12 @@ def past_input(region) -> tuple:
     raise ValueError(f"KV append region {region.index} does not read a past_key_values input")
 
 
+def mask_scale(region) -> float:
+    """What an attention region multiplies its additive mask by (CodeGen adds the mask
+    before it scales the scores: the mask the softmax sees is the mask times the scale)."""
+    return float(region.attrs.get("edgetvm.mask_scale", "1"))
+
+
 def causal_mask_problem(mask, pos: int, s: int) -> str | None:
     """What is wrong with an additive attention ``mask`` (..., s, pos + s) as the causal
     mask of queries at ``pos..pos + s - 1`` (0 where key j <= the query's position, <= -1e4

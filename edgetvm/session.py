@@ -44,8 +44,8 @@ from .npu_regions import (KernelCache, build_cluster, keeps_heads, offloadable,
                           passthrough_outputs,
                           rows_of, unsound_offloads)
 from .offload import offload_regions
-from .region_ops import (activation_input, attention_roles, causal_mask_problem, param_index,
-                         past_input, result_shapes, rope_heads_axis, rope_roles)
+from .region_ops import (activation_input, attention_roles, causal_mask_problem, mask_scale,
+                         param_index, past_input, result_shapes, rope_heads_axis, rope_roles)
 
 log = logging.getLogger("edgetvm")
 _SESSION_IDS = itertools.count()
@@ -457,7 +457,7 @@ class NPUSession:
             if "mask" in roles:
                 mask = given[roles["mask"]].numpy() if roles["mask"] in given else \
                     region.args[roles["mask"]]
-                _check_causal_mask(mask, pos, s, region.index)
+                _check_causal_mask(mask * mask_scale(region), pos, s, region.index)
             out = self._attend(layer, q[0].transpose(1, 0, 2), pos,
                                scale if scale == scale else d ** -0.5)
             if heads_major_out:              # (s, hq, d) -> (hq, s, d): Falcon's layout
@@ -526,7 +526,11 @@ def _check_causal_mask(mask, pos: int, s: int, index: int) -> None:
 def _heads_major(x, kv_heads: int, head_dim: int):
     """K/V as (b, kv_heads, s, head_dim): a projection output (b, s, heads * d) gets the
     reshape and head transpose the region does; a (b, s, heads, d) one (an export that
-    dropped the transpose, which is the identity when s == 1) the transpose."""
+    dropped the transpose, which is the identity when s == 1) the transpose, and a
+    (b, s, a, c, d) one (heads in groups, ``a * c = kv_heads``) the merge and transpose."""
+    if x.ndim == 5:
+        b, s = x.shape[:2]
+        return x.reshape(b, s, kv_heads, head_dim).transpose(0, 2, 1, 3)
     if x.ndim == 3:
         b, s, n = x.shape
         return x.reshape(b, s, n // head_dim, head_dim).transpose(0, 2, 1, 3)

@@ -18,7 +18,8 @@ def attention_patterns() -> list[RegionPattern]:
     """``softmax(scale * q @ k^T + mask) @ v`` followed by the head merge.
 
     Scale spellings: ``(q @ k^T) * s``, ``(q @ k^T) / s`` and ``(q * sqrt(s)) @
-    (k^T * sqrt(s))`` (what torch's SDPA export emits). ``where(isnan(p), 0, p)`` after
+    (k^T * sqrt(s))`` (what torch's SDPA export emits), the mask added after the scaling
+    or before it (CodeGen: ``(q @ k^T + mask) / s``, a causal mask scaled is causal). ``where(isnan(p), 0, p)`` after
     the softmax (fully masked rows) belongs to the region, and so do the head split of
     ``v`` and the head merge (transpose + reshape back to (batch, seq, hidden)).
     """
@@ -32,7 +33,11 @@ def attention_patterns() -> list[RegionPattern]:
         | call("relax.matmul", call("relax.multiply", q, s_q), call("relax.multiply", k_t, s_k))
     )
     masked = call("relax.add", scores, mask)
-    probs = call("relax.nn.softmax", masked | scores)
+    # CodeGen masks before it scales: (q @ k^T + mask) / s, the mask still 0 or <= -1e4
+    pre_masked = call("relax.add", raw, mask)
+    masked_scaled = call("relax.multiply", pre_masked, s_mul) | \
+        call("relax.divide", pre_masked, s_div)
+    probs = call("relax.nn.softmax", masked | masked_scaled | scores)
     probs = call("relax.where", call("relax.isnan", probs), is_const(), probs) | probs
     out = call("relax.matmul", probs, _repeat_kv(head_split(v)))
     merged_t = call("relax.reshape", call("relax.permute_dims", out))
@@ -40,6 +45,7 @@ def attention_patterns() -> list[RegionPattern]:
     annotations = {
         "q": q, "k": k, "v": v, "mask": mask, "out": out,
         "s_mul": s_mul, "s_div": s_div, "s_q": s_q, "s_k": s_k, "reshaped": merged,
+        "pre_masked": pre_masked,
     }
 
     def check(m, _ctx):
@@ -62,7 +68,10 @@ def attention_patterns() -> list[RegionPattern]:
             scale = scalar_value(m["s_q"]) * scalar_value(m["s_k"])
         else:
             scale = 1.0
+        # a mask added before the scaling is scaled with the scores
+        extra = {"mask_scale": scale} if "pre_masked" in m else {}
         return {
+            **extra,
             "num_heads": heads,
             "num_kv_heads": kv_heads,
             "gqa_group": heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) else "?",
@@ -91,7 +100,8 @@ class AnnotateAttention:
     this is one flash-style kernel that never writes the score matrix to DRAM and reads
     each KV head once per group instead of materialising the repeat. Attributes:
     ``num_heads``, ``num_kv_heads``, ``gqa_group``, ``head_dim``, ``q_len``, ``kv_len``,
-    ``scale``, ``has_mask``, ``merges_heads``.
+    ``scale``, ``has_mask``, ``merges_heads`` and, for a mask added before the scaling,
+    ``mask_scale`` (what the mask is multiplied by).
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:

@@ -853,9 +853,12 @@ def _calls(value, symbol: str) -> bool:
 
 def _token_major(view: View, heads: int, head_dim: int, rows: int, what: str) -> View:
     """``(rows, heads, head_dim)`` view of per-head values (b, s, heads * d), (b, s, heads,
-    d) or heads-major (b, heads, s, d), as the reference session reads them."""
+    d), heads-major (b, heads, s, d) or (b, s, a, c, d) with heads in groups (``a * c =
+    heads``), as the reference session reads them."""
     v = view
-    if v.ndim == 3:
+    if v.ndim == 5:
+        v = v.reshape((v.shape[0], v.shape[1], heads, head_dim))
+    elif v.ndim == 3:
         v = v.reshape((v.shape[0], v.shape[1], heads, head_dim))
     elif v.ndim == 4 and not (v.shape[1] != heads and v.shape[2] == heads):
         v = v.permute((0, 2, 1, 3))       # heads-major (b, heads, s, d), as exported

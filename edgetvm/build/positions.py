@@ -17,7 +17,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from edgetvm.region_ops import causal_mask_problem, mask_window
+from edgetvm.region_ops import causal_mask_problem, mask_scale, mask_window
 
 from .graph import BuildError, SlidingWindowError
 
@@ -219,6 +219,12 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
         data[var] = np.concatenate([rows, np.zeros((positions - valid, rows.shape[1]),
                                                    np.float32)])
     index_of = {m: i for m, i in masks if isinstance(m, relax.Var)}
+    # the mask each softmax sees: times the scale, where a region scales it (CodeGen)
+    region_of = {r.index: r for r in regions}
+    scale_of = {}
+    for m, i in masks:
+        if isinstance(m, relax.Var):
+            scale_of[m] = min(scale_of.get(m, 1.0), mask_scale(region_of[i]))
     checks = list(_CHECKS)
     if mask_vars and capacity is not None:
         # and where the cache ends: a mask that differs from causality only far from the
@@ -234,6 +240,7 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
                 raise BuildError(f"position value {var.name} is not a function of the "
                                  f"position alone (rows differ at past={past}, new={new})")
         for var in mask_vars:
+            got[var] = got[var] * scale_of[var]
             problem = causal_mask_problem(got[var], past, new)
             if problem:
                 message = f"attention region {index_of[var]}: {problem}"

@@ -28,7 +28,7 @@ PROMPT = [5, 17, 42, 7]
 NEW_TOKENS = 16               # 4 + 16 tokens: the cache crosses its first 16-token page
 MAX_TOKENS = 128
 FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "gemma2",
-            "gemma3", "falcon", "gptj", "cohere")
+            "gemma3", "falcon", "gptj", "cohere", "codegen")
 
 _compilers: dict = {}
 
@@ -174,6 +174,32 @@ def test_a_sliding_window_within_the_cache_is_refused_not_miscompiled():
     assert ModelCompiler(str(path), max_rows=16).max_tokens == 24
     assert ModelCompiler(str(_path("gemma3")), max_rows=16).max_tokens == 512
     assert ModelCompiler(str(_path("gemma2")), max_rows=16).max_tokens == 1024
+
+
+def test_a_mask_added_before_the_scaling_is_checked_scaled(tmp_path):
+    """CodeGen computes softmax((q @ k^T + mask) / 4): the softmax sees the mask divided
+    by 4. With its fill of float32's minimum that is still causal (the family compiles,
+    above); with a fill of -2e4 the softmax sees -5e3 where keys are hidden, which is not
+    the causal mask's <= -1e4, and the build refuses it (the unscaled mask would pass)."""
+    import onnx
+    from onnx import numpy_helper
+
+    from edgetvm.build.graph import BuildError
+    model = onnx.load(str(_path("codegen")))
+    changed = 0
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if node.op_type in ("Constant", "ConstantOfShape") and attr.name == "value":
+                a = numpy_helper.to_array(attr.t)
+                if a.dtype == np.float32 and np.all(a < -1e38):
+                    attr.t.CopyFrom(numpy_helper.from_array(np.full_like(a, -2e4), attr.t.name))
+                    changed += 1
+    assert changed == 2
+    path = tmp_path / "codegen_weak_mask.onnx"
+    onnx.save(model, str(path))
+    mc = ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16)
+    with pytest.raises(BuildError, match="not the causal mask"):
+        mc.program("decode", 1, 1)
 
 
 def test_causal_mask_check():
