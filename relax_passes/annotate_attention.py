@@ -25,7 +25,10 @@ def attention_patterns() -> list[RegionPattern]:
     """
     q, k, v, mask = wildcard(), wildcard(), wildcard(), wildcard()
     s_mul, s_div, s_q, s_k = is_const(), is_const(), is_const(), is_const()
-    k_t = call("relax.permute_dims", _repeat_kv(k))
+    repeated = _repeat_kv(k)
+    # torch's dynamo exporter transposes K as a 3-D (batch * heads, seq, d) tensor
+    k_t = call("relax.permute_dims", repeated) | call("relax.reshape", call(
+        "relax.permute_dims", call("relax.reshape", repeated)))
     raw = call("relax.matmul", q, k_t)
     scores = (
         call("relax.multiply", raw, s_mul)

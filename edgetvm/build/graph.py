@@ -441,9 +441,8 @@ class _Extractor:
             v = view.squeeze(None if axes is None else [int(a) for a in axes])
         else:                                 # reshape, flatten
             v = view.reshape(out_shape)
-            if v is None:
-                raise BuildError(f"{var.name}: reshape of a strided view to {out_shape} needs "
-                                 f"a copy (no kernel for it yet)")
+            if v is None:                     # its strides cannot say it: a copy kernel
+                v = self._contiguous(view, f"{var.name}.contiguous").reshape(out_shape)
         if v.shape != out_shape:
             raise BuildError(f"{var.name}: {name} gives {v.shape}, the graph says {out_shape}")
         return Dev(v)
@@ -644,7 +643,10 @@ class _Extractor:
         past_name = region.arg_names[region.runtime_positions[past_at]]
         past_shape = self.shape(self.params[past_name].ty, past_name)
         _, hk, _, d = past_shape
-        tok = _token_major(new[0].view, hk, d, self.rows, f"KV append region {region.index}")
+        view = new[0].view
+        if view.ndim == 5 and view.reshape(view.shape[:2] + (hk, d)) is None:
+            view = self._contiguous(view, f"r{region.index}.heads", region.index)
+        tok = _token_major(view, hk, d, self.rows, f"KV append region {region.index}")
         if self.kv_layout is None:
             self.kv_layout = (hk, d)
         elif self.kv_layout != (hk, d):
@@ -658,6 +660,47 @@ class _Extractor:
                                attrs={"kv_heads": hk, "head_dim": d}, region=region.index,
                                layer=layer))
         return KV(layer)
+
+    def _contiguous(self, view: View, name: str, index=None) -> View:
+        """A contiguous copy of ``view`` (for a reshape that its strides cannot express:
+        CodeGen splits q, k and v out of each group of heads of its fused qkv, so the
+        (b, s, groups, heads per group, d) result is not evenly strided over all heads).
+
+        Copy kernels move (rows, cols) windows: the trailing axes that merge into one
+        contiguous run are the columns, the longest other axis the rows, and each index
+        of the remaining axes (CodeGen: the groups) one copy."""
+        out = self.new_tensor(name, view.shape)
+        src = view.squeeze()
+        dst = out.reshape(src.shape)
+        if src.ndim == 0 or src.strides[-1] != 1:
+            raise BuildError(f"{name}: {view.shape} strided {view.strides} has no contiguous "
+                             f"rows to copy")
+        first = src.ndim - 1                  # the columns: axes first.. are one block
+        while first > 0 and src.strides[first - 1] == src.shape[first] * src.strides[first]:
+            first -= 1
+        width = int(np.prod(src.shape[first:]))
+        lead = list(range(first))
+        if not lead:                          # one contiguous block: one row
+            src, dst, lead = src.expand_dims([0]), dst.expand_dims([0]), [0]
+        row_axis = max(lead, key=lambda a: src.shape[a])
+        others = [a for a in lead if a != row_axis]
+        count = int(np.prod([src.shape[a] for a in others]))
+        if count > 64:
+            raise BuildError(f"{name}: copying {view.shape} strided {view.strides} takes "
+                             f"{count} kernels")
+        for k, idx in enumerate(np.ndindex(*[src.shape[a] for a in others])):
+            pieces = []
+            for v in (src, dst):
+                for a, i in zip(others, idx):
+                    v = v.slice(a, i, i + 1)
+                v = v.squeeze(others).reshape((src.shape[row_axis], width))
+                if v is None:
+                    raise BuildError(f"{name}: {view.shape} strided {view.strides} is not a "
+                                     f"set of strided windows")
+                pieces.append(v)
+            self._stage(Stage("copy", ("x",), "y"), {"x": pieces[0]}, pieces[1],
+                        f"{name}.copy{k}", index)
+        return out
 
     def _region_attention(self, var, region, runtime):
         roles = attention_roles(region.func)

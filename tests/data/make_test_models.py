@@ -17,6 +17,9 @@ meets:
 
 * ``llama_tiny_prefill_dynamic.onnx``: torch.onnx's TorchScript exporter, inputs
   ``input_ids`` and ``attention_mask`` of dynamic (``batch``, ``seq``), no KV inputs;
+* ``llama_tiny_prefill_dynamo.onnx``: torch.onnx's dynamo exporter (``dynamo=True``, the
+  default attention: SDPA, decomposed), inputs ``input_ids`` and ``attention_mask`` of
+  dynamic ``seq`` (batch 1), no KV inputs;
 * ``llama_tiny_prefill_s8.onnx``: optimum's ``text-generation`` export folded by onnxslim to
   sequence 8;
 * ``llama_tiny_decode_p8.onnx``: the with-past export folded to sequence 1, past 8;
@@ -163,11 +166,12 @@ def export_mpt(work):
 
 
 def export_codegen(work):
-    """CodeGen: GPT-J's interleaved partial rotary, with its qkv projection split in four
-    groups, so its new K/V reach the cache as (batch, heads, 4, seq, d) pieces."""
+    """CodeGen: GPT-J's interleaved partial rotary (4 of 8), with its qkv projection split
+    in four groups of two heads each, so its q, k and v are (batch, seq, 4, 2, d): not
+    evenly strided over the 8 heads; the mask added before the scores are scaled."""
     import transformers
     _export(work, "codegen", transformers.CodeGenConfig(
-        initializer_range=0.2, vocab_size=512, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+        initializer_range=0.2, vocab_size=512, n_embd=64, n_layer=2, n_head=8, rotary_dim=4,
         n_positions=256, n_ctx=256, bos_token_id=0, eos_token_id=0))
 
 
@@ -182,6 +186,35 @@ def export_gemma3(work):
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
         max_position_embeddings=256, sliding_window=512, pad_token_id=0, bos_token_id=2,
         eos_token_id=1))
+
+
+def export_llama_dynamo(hf):
+    """The Llama checkpoint through torch.onnx's dynamo exporter (before the mask patch
+    below: it traces transformers' own mask functions)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    model.eval()
+    model.config.use_cache = False
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids, attention_mask):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask,
+                          use_cache=False).logits
+
+    ids = torch.tensor([[5, 17, 42, 7, 9, 11]])
+    seq = torch.export.Dim("seq", min=2, max=128)
+    program = torch.onnx.export(Logits(model), (ids, torch.ones_like(ids)), dynamo=True,
+                                dynamic_shapes={"input_ids": {1: seq},
+                                                "attention_mask": {1: seq}},
+                                input_names=["input_ids", "attention_mask"],
+                                output_names=["logits"])
+    program.save(os.path.join(HERE, "llama_tiny_prefill_dynamo.onnx"))
 
 
 def main(zoo):
@@ -207,6 +240,7 @@ def main(zoo):
                                                               attn_implementation="eager")
     model.eval()
     model.config.use_cache = False
+    export_llama_dynamo(hf)
     # transformers builds the causal mask with torch.vmap, which the TorchScript exporter
     # cannot trace; optimum exports with its vmap-free mask functions, and so does this
     import transformers.masking_utils as masking

@@ -93,6 +93,7 @@ def test_a_sliding_window_is_refused_where_it_hides_keys():
 
 @pytest.mark.parametrize("name", ["llama_tiny_decode_p8.onnx", "llama_tiny_prefill_s8.onnx",
                                   "llama_tiny_prefill_dynamic.onnx",
+                                  "llama_tiny_prefill_dynamo.onnx",
                                   "llama_tiny_decode_p8_w4.onnx",
                                   "llama_tiny_decode_p8_w4_g64_zp.onnx"])
 def test_other_exports_match_onnxruntime(name):

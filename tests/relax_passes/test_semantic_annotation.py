@@ -49,6 +49,8 @@ MODEL_CASES = {
     "decode_p8_w4": ("llama_tiny_decode_p8_w4.onnx", DECODE_COUNTS),
     "with_past": ("llama_tiny_with_past.onnx", DECODE_COUNTS),
     "prefill_dynamic": ("llama_tiny_prefill_dynamic.onnx", PREFILL_COUNTS),
+    # torch's dynamo exporter: SDPA decomposed, K transposed as (heads, seq, d)
+    "prefill_dynamo": ("llama_tiny_prefill_dynamo.onnx", PREFILL_COUNTS),
 }
 
 
