@@ -197,6 +197,7 @@ _HOST_OPS = {f"relax.{n}" for n in (*HOST_UNARY, *HOST_BINARY)}
 class _Extractor:
     def __init__(self, mod, regions, phase: str, rows: int, pages: int, logits_rows: str):
         self.main = mod["main"]
+        self.mod = mod
         self.params = {p.name: p for p in self.main.params}
         self.regions = {r.symbol: r for r in regions}
         self.phase, self.rows, self.pages = phase, rows, pages
@@ -403,7 +404,14 @@ class _Extractor:
                 all(isinstance(a, (Dev, Const)) for a in args):
             return self._host(var, name, args)
         kinds = ", ".join(type(a).__name__ for a in args)
-        raise BuildError(f"{var.name} = {name}({kinds}){_onnx_node(value)}: host code on NPU "
+        where = _onnx_node(value)
+        if isinstance(op, relax.GlobalVar):   # a recognised region no NPU kernel takes
+            func = self.mod[op]
+            kind = str((func.attrs or {}).get("Composite", "")).removeprefix("edgetvm.")
+            name = f"a {kind} region" if kind else op.name_hint
+            where = next((_onnx_node(b.value) for blk in func.body.blocks
+                          for b in blk.bindings if _onnx_node(b.value)), "")
+        raise BuildError(f"{var.name} = {name}({kinds}){where}: host code on NPU "
                          f"data with no NPU "
                          f"kernel; the phase program cannot run it (the region-by-region "
                          f"reference path can: python -m edgetvm.run model.onnx --reference)")

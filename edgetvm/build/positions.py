@@ -221,10 +221,11 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
     index_of = {m: i for m, i in masks if isinstance(m, relax.Var)}
     # the mask each softmax sees: times the scale, where a region scales it (CodeGen)
     region_of = {r.index: r for r in regions}
-    scale_of = {}
+    scales = {}
     for m, i in masks:
         if isinstance(m, relax.Var):
-            scale_of[m] = min(scale_of.get(m, 1.0), mask_scale(region_of[i]))
+            scales.setdefault(m, []).append(mask_scale(region_of[i]))
+    scale_of = {m: min(s) for m, s in scales.items()}    # the weakest mask any softmax sees
     checks = list(_CHECKS)
     if mask_vars and capacity is not None:
         # and where the cache ends: a mask that differs from causality only far from the
@@ -245,8 +246,9 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
             if problem:
                 message = f"attention region {index_of[var]}: {problem}"
                 window = mask_window(got[var], past, new)
-                raise BuildError(message) if window is None else \
-                    SlidingWindowError(message, window)
+                if window is not None:
+                    raise SlidingWindowError(message, window)
+                raise BuildError(message)
     return {name: data[var].astype(np.float16) for name, var in tables.items()}
 
 
