@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm.relax.dpl import is_const, wildcard
 
@@ -32,6 +33,12 @@ def layer_norm_patterns() -> list[RegionPattern]:
 
     def check(m, ctx):
         ndim = len(static_shape(m["x"]))
+        hidden = static_shape(m["x"])[-1]
+        # a gain or bias per row group (Cohere's q/k norms: one gain per head, (heads, d))
+        # is not the row kernel's: the norm is the region, the multiply stays outside
+        for key in ("gamma", "beta"):
+            if key in m and int(np.prod(static_shape(m[key]))) not in (1, hidden):
+                return False
         for value in ctx.matched_bindings.values():
             if getattr(value, "op", None) == tvm.ir.Op.get("relax.mean") and \
                     [int(a) % ndim for a in value.attrs.axis] != [ndim - 1]:

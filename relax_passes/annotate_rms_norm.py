@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm.relax.dpl import is_const, wildcard
 
@@ -39,7 +40,8 @@ def rms_norm_patterns() -> list[RegionPattern]:
         if ("two" in m and scalar_value(m["two"]) != 2.0) or \
                 ("one" in m and scalar_value(m["one"]) != 1.0):
             return False
-        return "weight" not in m or static_shape(m["weight"])[-1] == hidden
+        # a weight per row group ((heads, d)) is not the row kernel's: it stays outside
+        return "weight" not in m or int(np.prod(static_shape(m["weight"]))) in (1, hidden)
 
     def attrs(m):
         return {

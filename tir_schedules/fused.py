@@ -73,6 +73,7 @@ PIECES = {
     "relu": W.relu_te,
     "gelu_mul": W.gelu_mul_te,
     "bias_add": W.bias_add_te,
+    "mul_vec": W.mul_vec_te,
     "softmax": W.softmax_te,
     "add": W.add_te,
     "scale": W.scale_te,

@@ -250,6 +250,14 @@ def bias_add_te(x, b, name: str = "bias_add"):
                       .astype(x.dtype), name=name, attrs=_op("vector:add"))
 
 
+def mul_vec_te(x, w, name: str = "mul_vec"):
+    """``x * w`` with a row-invariant ``w`` (n,): a gain per column (Cohere's per-head q/k
+    norm gains, applied after the norm)."""
+    m, n = (int(s) for s in x.shape)
+    return te.compute((m, n), lambda i, j: (x[i, j].astype(F32) * w[j].astype(F32))
+                      .astype(x.dtype), name=name, attrs=_op("vector:mul"))
+
+
 def linear_w4a16_te(x, w, s, z=None, name: str = "linear"):
     """``x @ dequant(w, s[, z])^T`` as one MMA reduction (fp32, block ``<name>_acc``) and a
     cast to fp16 (block ``<name>``); the group size is ``k // s.shape[1]``."""

@@ -506,6 +506,9 @@ class _Extractor:
                 out = self.new_tensor(f"{var.name}", (rows, cols))
                 self._stage(Stage("scale", ("x",), "y", {"imm": c}), {"x": x}, out, var.name)
                 return Dev(out.reshape(out_shape))
+            gain = self._row_gain(var, name, dev, const, out_shape)
+            if gain is not None:
+                return gain
             if name in _HOST_OPS and all(isinstance(a, (Dev, Const)) for a in args):
                 return self._host(var, name, args)
             raise BuildError(f"{var.name} = {name}: only a scaling by a scalar constant has an "
@@ -521,6 +524,27 @@ class _Extractor:
         out = self.new_tensor(f"{var.name}", (rows, cols))
         self._stage(Stage("add", ("x", "x2"), "y"), {"x": views[0], "x2": views[1]}, out,
                     var.name)
+        return Dev(out.reshape(out_shape))
+
+    def _row_gain(self, var, name, dev, const, out_shape):
+        """``x * w`` with a constant ``w`` over the trailing axes of ``x`` (a gain per column
+        once those axes are the columns: Cohere's per-head q/k norm gains, (heads, d) over
+        (b, s, heads, d)) as an NPU ``mul_vec`` stage; None for any other operands."""
+        if name != "relax.multiply" or len(dev) != 1 or len(const) != 1:
+            return None
+        w = np.asarray(const[0].value)
+        while w.ndim and w.shape[0] == 1:
+            w = w.reshape(w.shape[1:])
+        k = w.ndim
+        if k == 0 or k > len(out_shape) or tuple(out_shape[-k:]) != w.shape or \
+                tuple(dev[0].view.shape) != tuple(out_shape):
+            return None
+        cols = int(np.prod(w.shape))
+        rows = int(np.prod(out_shape[:-k], dtype=np.int64))
+        x = self.rows_view(dev[0].view, rows, cols, var.name)
+        weights = self.const(f"{var.name}.w", w.reshape(cols).astype(np.float16))
+        out = self.new_tensor(f"{var.name}", (rows, cols))
+        self._stage(Stage("mul_vec", ("x", "w"), "y"), {"x": x, "w": weights}, out, var.name)
         return Dev(out.reshape(out_shape))
 
     # -- elementwise host ops ------------------------------------------------------------------

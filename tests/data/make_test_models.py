@@ -146,14 +146,16 @@ def export_gptj(work):
 
 
 def export_cohere(work):
-    """Cohere (Command-R): LayerNorm without bias computed in float, interleaved rotary,
-    parallel attention and MLP, logits scaled; its rotary table's shape is computed through
+    """Cohere (Command-R+'s layout): LayerNorm without bias computed in float, q and k
+    LayerNorm-ed per head with a gain per head ((heads, d)), interleaved rotary, parallel
+    attention and MLP, logits scaled; its rotary table's shape is computed through
     ``ReduceMax`` of a constant."""
     import transformers
     _export(work, "cohere", transformers.CohereConfig(
         initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+        max_position_embeddings=256, use_qk_norm=True, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2))
 
 
 def export_mpt(work):

@@ -93,6 +93,30 @@ def test_a_norm_over_another_axis_is_not_a_layer_norm(tmp_path):
                                atol=1e-4)
 
 
+def test_a_gain_per_head_stays_out_of_the_norm_region(tmp_path):
+    # (heads, d) gains over (b, s, heads, d): the row kernel has one gain for all rows, so
+    # the region is the norm alone and the multiply stays outside it
+    gamma = RNG.normal(1, 0.5, (4, 16)).astype(np.float32)
+    inits = [_const("two", 2.0), _const("eps", 1e-5), _const("one", 1.0), _const("gamma", gamma)]
+    nodes = [helper.make_node("ReduceMean", ["x"], ["mu"], axes=[-1], keepdims=1),
+             helper.make_node("Sub", ["x", "mu"], ["c"]),
+             helper.make_node("Pow", ["c", "two"], ["c2"]),
+             helper.make_node("ReduceMean", ["c2"], ["var"], axes=[-1], keepdims=1),
+             helper.make_node("Add", ["var", "eps"], ["ve"]),
+             helper.make_node("Sqrt", ["ve"], ["root"]),
+             helper.make_node("Div", ["one", "root"], ["inv"]),
+             helper.make_node("Mul", ["c", "inv"], ["n"]),
+             helper.make_node("Mul", ["gamma", "n"], ["y"])]
+    path = tmp_path / "ln_heads.onnx"
+    _save(path, nodes, [("x", [1, 8, 4, 16])], [1, 8, 4, 16], inits)
+    session = NPUSession(str(path))
+    (region,) = session.regions
+    assert region.kind == "layer_norm" and region.attrs["edgetvm.has_weight"] == "0"
+    x = RNG.normal(0.5, 2, (1, 8, 4, 16)).astype(np.float32)
+    out, _ = session({"x": x})
+    np.testing.assert_allclose(out["y"], _layer_norm(x, gamma, None), rtol=1e-2, atol=1e-2)
+
+
 # -- rotary embedding that rotates neighbouring pairs (GPT-J, Cohere, CodeGen) -------------
 S, H, D = 8, 4, 16
 

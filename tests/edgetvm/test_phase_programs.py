@@ -274,6 +274,39 @@ def test_random_biases_and_norm_gains_in_fused_kernels(family, tmp_path):
     _check(family, "mega", path=path)
 
 
+@pytest.mark.parametrize("strategy", ["regions", "mega"])
+def test_per_head_norm_gains(strategy, tmp_path):
+    """Cohere LayerNorms q and k per head with a gain per head, (heads, d): the row kernel
+    takes one gain for every row, so the norm is the region and the gain a multiply by a
+    (heads * d) column vector after it (an NPU stage). The export's gains are ones; random
+    here (a different draw per head and column), so a gain applied to the wrong head or
+    column, or dropped, changes the answer."""
+    import onnx
+    from onnx import numpy_helper
+    model = onnx.load(str(_path("cohere")))
+    rng = np.random.default_rng(5)
+    gains = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer
+             if len(i.dims) == 2 and i.dims[1] == 16 and i.dims[0] in (2, 4)}
+    drawn = 0                      # the export shares one all-ones gain per shape: a draw per use
+    for node in model.graph.node:
+        for k, name in enumerate(node.input):
+            if name in gains:
+                fresh = f"{name}.random{drawn}"
+                model.graph.initializer.append(numpy_helper.from_array(
+                    (gains[name] + rng.normal(0, 0.5, gains[name].shape)).astype(np.float32),
+                    fresh))
+                node.input[k] = fresh
+                drawn += 1
+    assert drawn == 4                             # q and k norms of the 2 layers
+    path = tmp_path / "cohere_head_gains.onnx"
+    onnx.save(model, str(path))
+    mc = ModelCompiler(str(path), max_tokens=MAX_TOKENS, strategy=strategy, max_rows=16)
+    g = mc.graph("decode", 1, 1)
+    assert sum(op.stage is not None and op.stage.op == "mul_vec" for op in g.ops) == 4
+    assert not g.host_notes
+    _check("cohere", strategy, path=path, mc=mc)
+
+
 @pytest.mark.parametrize("strategy", ["op-library", "local"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_op_library_and_local_partitions(family, strategy):
