@@ -190,15 +190,9 @@ def export_gemma3(work):
         eos_token_id=1))
 
 
-def export_llama_dynamo(hf):
-    """The Llama checkpoint through torch.onnx's dynamo exporter (before the mask patch
-    below: it traces transformers' own mask functions)."""
+def _logits_only(model):
+    """``model`` as a module of (input_ids, attention_mask) -> logits, without a cache."""
     import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    model.eval()
-    model.config.use_cache = False
 
     class Logits(torch.nn.Module):
         def __init__(self, m):
@@ -209,9 +203,22 @@ def export_llama_dynamo(hf):
             return self.m(input_ids=input_ids, attention_mask=attention_mask,
                           use_cache=False).logits
 
+    return Logits(model)
+
+
+def export_llama_dynamo(hf):
+    """The Llama checkpoint through torch.onnx's dynamo exporter (before the mask patch
+    below: it traces transformers' own mask functions)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    model.eval()
+    model.config.use_cache = False
+
     ids = torch.tensor([[5, 17, 42, 7, 9, 11]])
     seq = torch.export.Dim("seq", min=2, max=128)
-    program = torch.onnx.export(Logits(model), (ids, torch.ones_like(ids)), dynamo=True,
+    program = torch.onnx.export(_logits_only(model), (ids, torch.ones_like(ids)), dynamo=True,
                                 dynamic_shapes={"input_ids": {1: seq},
                                                 "attention_mask": {1: seq}},
                                 input_names=["input_ids", "attention_mask"],
@@ -253,18 +260,9 @@ def main(zoo):
     masking.ALL_MASK_ATTENTION_FUNCTIONS.register("eager", eager_mask_without_vmap)
     masking.find_packed_sequence_indices = find_packed_sequence_indices_patched
 
-    class Logits(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, input_ids, attention_mask):
-            return self.m(input_ids=input_ids, attention_mask=attention_mask,
-                          use_cache=False).logits
-
     ids = torch.tensor([[5, 17, 42, 7, 9, 11]], dtype=torch.int64)
     axes = {0: "batch", 1: "seq"}
-    torch.onnx.export(Logits(model), (ids, torch.ones_like(ids)),
+    torch.onnx.export(_logits_only(model), (ids, torch.ones_like(ids)),
                       os.path.join(HERE, "llama_tiny_prefill_dynamic.onnx"),
                       input_names=["input_ids", "attention_mask"], output_names=["logits"],
                       opset_version=17, dynamo=False,
