@@ -18,6 +18,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .region_ops import rope_heads_axis
+
 Constant = tvm.ir.expr.Constant
 
 
@@ -144,7 +146,7 @@ def _result_type(region, call, func):
         shape = next((a for a in call.args if isinstance(a, relax.ShapeExpr)), None)
         if shape is not None and len(shape.values) == 4:
             b, s, h, d = shape.values
-            heads_major = region.attrs.get("edgetvm.heads_axis", "1") == "1"
+            heads_major = rope_heads_axis(region) == 1
             return relax.TensorType([b, h, s, d] if heads_major else [b, s, h, d], dtype)
     if region.kind == "kv_append":
         past, new = call.args

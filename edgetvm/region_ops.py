@@ -227,6 +227,12 @@ def rope_heads_axis(region) -> int:
     return int(region.attrs.get("edgetvm.heads_axis", "1"))
 
 
+def rope_dims(region, out_shape) -> tuple:
+    """(b, heads, s, d) of a RoPE region's output shape, in either layout."""
+    b, x, y, d = out_shape
+    return (b, x, y, d) if rope_heads_axis(region) == 1 else (b, y, x, d)
+
+
 def bind_dims(func, positions, args) -> dict:
     """Symbolic dimension -> value, read off the runtime arguments' shapes (tensors and
     shape values) against the parameter types of ``func``."""

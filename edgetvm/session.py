@@ -45,7 +45,8 @@ from .npu_regions import (KernelCache, build_cluster, keeps_heads, offloadable,
                           rows_of, unsound_offloads)
 from .offload import offload_regions
 from .region_ops import (activation_input, attention_roles, causal_mask_problem, mask_scale,
-                         param_index, past_input, result_shapes, rope_heads_axis, rope_roles)
+                         param_index, past_input, result_shapes, rope_dims, rope_heads_axis,
+                         rope_roles)
 
 log = logging.getLogger("edgetvm")
 _SESSION_IDS = itertools.count()
@@ -273,7 +274,7 @@ class NPUSession:
             const = dict(enumerate(region.args))
             value = {k: (given[i].numpy() if i in given else const[i]) for k, i in roles.items()}
             (out_shape,) = result_shapes(region.func, region.runtime_positions, args)
-            b, h, s, d = (out_shape[i] for i in ((0, 1, 2, 3) if heads_major else (0, 2, 1, 3)))
+            b, h, s, d = rope_dims(region, out_shape)
             x = value["x"]
             if x.ndim == 4 and heads_major:
                 # a 4-D input is laid out as the output, (b, h, s, d) or (b, s, h, d); a

@@ -36,7 +36,7 @@ from tvm import relax
 from edgetvm.errors import EdgeTVMError
 from edgetvm.npu_regions import build_cluster, keeps_heads, passthrough_outputs
 from edgetvm.region_ops import (activation_input, attention_roles, param_index, past_input,
-                                rope_heads_axis, rope_roles, rope_stage_attrs)
+                                rope_dims, rope_heads_axis, rope_roles, rope_stage_attrs)
 from edgetvm.target.host_ops import HOST_BINARY, HOST_UNARY, shape_attr
 from edgetvm.target.isa import Affine
 from edgetvm.tir_schedules.fused import Stage
@@ -779,7 +779,7 @@ class _Extractor:
         rotary = int(region.attrs["edgetvm.rotary_dim"])
         heads_major = rope_heads_axis(region) == 1
         (out_shape,) = self._result_shapes(var)          # (b, h, s, d) or (b, s, h, d)
-        b, h, s, d = (out_shape[i] for i in ((0, 1, 2, 3) if heads_major else (0, 2, 1, 3)))
+        b, h, s, d = rope_dims(region, out_shape)
         x = runtime.get(roles["x"])
         if not isinstance(x, Dev):
             raise BuildError(f"RoPE region {region.index}: x is not NPU data")
@@ -933,9 +933,7 @@ def _token_major(view: View, heads: int, head_dim: int, rows: int, what: str) ->
     d), heads-major (b, heads, s, d) or (b, s, a, c, d) with heads in groups (``a * c =
     heads``), as the reference session reads them."""
     v = view
-    if v.ndim == 5:
-        v = v.reshape((v.shape[0], v.shape[1], heads, head_dim))
-    elif v.ndim == 3:
+    if v.ndim in (3, 5):
         v = v.reshape((v.shape[0], v.shape[1], heads, head_dim))
     elif v.ndim == 4 and not (v.shape[1] != heads and v.shape[2] == heads):
         v = v.permute((0, 2, 1, 3))       # heads-major (b, heads, s, d), as exported
