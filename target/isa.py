@@ -44,7 +44,13 @@ Commands
 ``Vector``
     an elementwise, reduction or fused op on the vector unit, computed in fp32 and stored
     in ``dst``'s dtype; see :data:`VECTOR_OP_ARITY`. Binary ops broadcast a second operand
-    of shape ``(rows, 1)`` or ``(1, cols)``, or use the scalar ``imm``.
+    of shape ``(rows, 1)`` or ``(1, cols)``, or use the scalar ``imm``. ``alibi``
+    (attention with linear biases, Press et al. 2022) adds ``slope[row] * (col - origin)``
+    to scores ``x``: ``slope`` is ``(rows, 1)`` or ``(1, 1)`` (one for every row),
+    ``origin`` a value the host may set per run (the key position of the query). Rows of
+    a prefill tile are queries at consecutive positions: one ``origin`` for all of them
+    differs from each row's own by a constant per row, which the softmax that follows
+    cancels.
 ``EventWait`` / ``EventSignal``
     a no-op on ``unit`` that only waits / signals (to block a unit's queue).
 ``HostOp``
@@ -82,6 +88,7 @@ VECTOR_OP_ARITY = {
     "rope": 3,                                        # x*cos + rotate_half(x)*sin, (x, cos, sin)
     "rope_pairs": 3,                                  # x*cos + rotate_pairs(x)*sin (GPT-J form)
     "mask": 1,                                        # -inf outside limit / causal band
+    "alibi": 2,                                       # x + slope[row] * (col - origin)
 }
 
 
@@ -275,6 +282,7 @@ class Vector(Command):
     imm: float | None = None
     limit: Value | None = None           # mask: cols >= limit are masked
     causal_offset: Value | None = None   # mask: col - row > causal_offset are masked
+    origin: Value | None = None          # alibi: the column whose bias is 0
 
     unit = "vector"
 

@@ -131,7 +131,7 @@ class _Attention:
     """Emits the online-softmax attention loop nest (see the module docstring)."""
 
     def __init__(self, kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels,
-                 ahead=False):
+                 ahead=False, alibi=None):
         self.kb, self.lay = kb, layout
         self.hq, self.hk, self.d = q_heads, layout.kv_heads, layout.head_dim
         if q_heads % layout.kv_heads:
@@ -151,6 +151,9 @@ class _Attention:
         self.ones = None                          # prefill: row sums on the matrix unit
         self.v_channel = channels - 1 if channels > 1 else None
         self.k_channel = 0 if channels > 1 else None
+        # ALiBi: the annotations that place the bias's origin (see declare_slopes)
+        self.alibi = alibi
+        self.slopes_t = None
 
     # -- pieces ---------------------------------------------------------------------------
     def declare_kv(self, cap):
@@ -303,6 +306,17 @@ class _Attention:
                             lambda lv, preds=preds: valid.iters(c0) + [
                                 ("S", _ANY, v) for _, _, v in preds] + rk(lv)[nv:],
                             rk_where, ann={**va, **mask_ann, "npu.predicates": tag or None})
+        if self.slopes_t is not None:
+            # ALiBi on every live tile, in place, after the masks (-inf + bias is -inf):
+            # S += slope[head] * (key - query). The expression here is the key alone; the
+            # command's origin (the query's position, lower.py) shifts each row by a
+            # constant, which the softmax cancels
+            def bias(iv):
+                i, j = iv[-2], iv[-1]
+                x, sl = Sm[at(Sm, i, j)], self.slopes_t[ri(i)[0], 0]
+                return Sm, at(Sm, i, j), x + sl * _f32(j), [x, sl], None
+            kb.op("alibi", "vector:alibi", (rows, tt), rk, bias, where=rk_where,
+                  ann={**va, **self.alibi})
         first = kb.when(t == 0)
         with first:
             reduce("rowmax0", "vector:reduce_max", m, Sm, _NEG_INF, tirx.Max)
@@ -402,6 +416,16 @@ class _Attention:
             return dst, idx, tirx.Cast("float16", o * inv), [o, inv], None
         kb.op("normalize", "vector:mul", (rows, self.d), rd_iters, body, where=where)
 
+    def declare_slopes(self, slopes):
+        """ALiBi's slopes (``(Hq, 1)`` float32, one per query head, in units of the unscaled
+        scores: the model's slope over the softmax scale) into TCM, once."""
+        kb, hq = self.kb, self.hq
+        self.slopes_t = kb.tcm("slopes_t", (hq, 1), "float32")
+        kb.op("slopes_load", "dma", (hq, 1),
+              lambda lv: [("S", (0, hq), lv[0]), ("S", (0, 1), lv[1])],
+              lambda iv: (self.slopes_t, (iv[0], iv[1]), slopes[iv[0], iv[1]],
+                          [slopes[iv[0], iv[1]]], None))
+
     def declare_ones(self, cap):
         """A column of ones (a template constant) in TCM, for the row sums' MMAs."""
         kb = self.kb
@@ -449,21 +473,29 @@ class _Validity:
 
 
 def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, tile_kv: int,
-                     slots_kv: int = 2, slots_s: int = 1, scale=None, channels: int = 2):
+                     slots_kv: int = 2, slots_s: int = 1, scale=None, channels: int = 2,
+                     alibi: bool = False):
     """Decode attention as a :class:`TileKernel`: ``q (Hq, D)`` attends to the first
-    ``valid_len`` (runtime) tokens of the paged cache through ``page_table (max_pages,)``."""
+    ``valid_len`` (runtime) tokens of the paged cache through ``page_table (max_pages,)``.
+    ``alibi``: the scores get ``slopes[head] * (key - query)`` (input ``slopes (Hq, 1)``
+    float32, over the softmax scale; the query is at ``valid_len - 1``)."""
     d = layout.head_dim
     cap = max_pages * layout.page_tokens
     with TileKernel("decode_attention") as kb:
-        a = _Attention(kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels)
+        a = _Attention(kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels,
+                       alibi={"npu.alibi_query": "valid_len", "npu.alibi_offset": -1,
+                              "npu.alibi_rows": 0} if alibi else None)
         hq, g, hk = a.hq, a.g, a.hk
         q = kb.buffer("q", (hq, d), "float16")
         a.k_cache = kb.buffer("K_cache", layout.shape, "float16")
         a.v_cache = kb.buffer("V_cache", layout.shape, "float16")
         a.page_table = kb.buffer("page_table", (max_pages,), "int32")
         kb.scalar("valid_len")
+        slopes = kb.buffer("slopes", (hq, 1), "float32") if alibi else None
         out = kb.buffer("out", (hq, d), "float16")
         kb.begin_body()
+        if alibi:
+            a.declare_slopes(slopes)
         a.Q = kb.tcm("Q", (hq, d), "float16")
         a.declare_kv(cap)
         a.declare_state((hq,), cap)
@@ -497,13 +529,14 @@ def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, til
 def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_q: int,
                       tile_kv: int, slots_kv: int = 2, slots_s: int = 1, rowsum_mma: int = 1,
                       chunked: bool = False, max_pages: int | None = None, scale=None,
-                      channels: int = 2):
+                      channels: int = 2, alibi: bool = False):
     """Causal prefill attention as a :class:`TileKernel`.
 
     ``q, out (tokens, Hq, D)``. Whole prompt (``chunked=False``): the keys are the first
     ``tokens`` tokens of the cache, KV tiles above the diagonal are not emitted.
     ``chunked=True``: the queries are positions ``pos .. pos + tokens`` (runtime ``pos``),
     the keys the first ``valid_len`` (runtime) tokens of a cache of ``max_pages`` pages.
+    ``alibi``: as in :func:`decode_attention` (the queries at ``pos`` + their row).
     """
     d, p = layout.head_dim, layout.page_tokens
     c = tokens
@@ -512,7 +545,9 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
     cap = max_pages * p
     with TileKernel("prefill_attention") as kb:
         a = _Attention(kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels,
-                       ahead=slots_s == 2)
+                       ahead=slots_s == 2,
+                       alibi={"npu.alibi_query": "pos" if chunked else "",
+                              "npu.alibi_offset": 0, "npu.alibi_rows": 1} if alibi else None)
         hq, g, hk = a.hq, a.g, a.hk
         tq = min(tile_q, c)
         q = kb.buffer("q", (c, hq, d), "float16")
@@ -524,8 +559,11 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
             kb.scalar("valid_len")
         if rowsum_mma:
             a.ones = kb.const("ones", (cap, 1), "float16", 1.0)
+        slopes = kb.buffer("slopes", (hq, 1), "float32") if alibi else None
         out = kb.buffer("out", (c, hq, d), "float16")
         kb.begin_body()
+        if alibi:
+            a.declare_slopes(slopes)
         q_raw = kb.tcm("Q_raw", (c, hq, d), "float16")
         a.Q = kb.tcm("Q", (hq, c, d), "float16")
         kv_len = cap if chunked else c
@@ -617,21 +655,24 @@ def _schedule(kb, knobs):
 
 
 def schedule_decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, spec, *,
-                              tile_kv: int, slots_kv: int = 2, slots_s: int = 1, scale=None):
+                              tile_kv: int, slots_kv: int = 2, slots_s: int = 1, scale=None,
+                              alibi: bool = False):
     """The scheduled decode attention kernel; lower with ``**ATTENTION_LOWERING``."""
     kb = decode_attention(layout, q_heads, max_pages, tile_kv=tile_kv, slots_kv=slots_kv,
-                          slots_s=slots_s, scale=scale, channels=spec.dma_channels)
+                          slots_s=slots_s, scale=scale, channels=spec.dma_channels,
+                          alibi=alibi)
     return _schedule(kb, (("tile_kv", tile_kv), ("slots_kv", slots_kv), ("slots_s", slots_s)))
 
 
 def schedule_prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, spec, *,
                                tile_q: int, tile_kv: int, slots_kv: int = 2, slots_s: int = 1,
                                rowsum_mma: int = 1, chunked: bool = False,
-                               max_pages: int | None = None, scale=None):
+                               max_pages: int | None = None, scale=None,
+                               alibi: bool = False):
     """The scheduled prefill attention kernel; lower with ``**ATTENTION_LOWERING``."""
     kb = prefill_attention(layout, q_heads, tokens, tile_q=tile_q, tile_kv=tile_kv,
                            slots_kv=slots_kv, slots_s=slots_s, rowsum_mma=rowsum_mma,
                            chunked=chunked, max_pages=max_pages, scale=scale,
-                           channels=spec.dma_channels)
+                           channels=spec.dma_channels, alibi=alibi)
     return _schedule(kb, (("tile_q", tile_q), ("tile_kv", tile_kv), ("slots_kv", slots_kv),
                           ("slots_s", slots_s), ("rowsum_mma", rowsum_mma)))

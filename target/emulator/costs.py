@@ -12,7 +12,10 @@ DRAM bus and the clock are the simulation's, ``device.py`` and ``power.py``):
   ``rope_pairs`` costs what ``rope`` costs: the same multiply-adds per lane, with the
   partner lane taken from the neighbouring element instead of the other half of the row;
   both are one fixed lane permutation, a single-cycle op on vector units (HVX ``vdeal``,
-  NEON ``vrev64``/``vtrn``), so the preset keys one cost for both.
+  NEON ``vrev64``/``vtrn``), so the preset keys one cost for both. ``alibi`` costs the
+  three elementary passes it is made of, at the preset's own per-op costs: the key
+  ramp minus the origin (``sub``), times the row's slope (``mul``), plus the score
+  (``add``); no fused multiply-add is assumed.
 * Host op: ``host_switch_cycles + ceil(flops / host_flops_per_cycle)``, on the CPU's clock.
 * DMA: ``dma_setup_cycles`` on its channel, then its bursts on the shared bus: every
   contiguous run of bytes (the whole window if its rows are adjacent in DRAM, else each
@@ -48,11 +51,11 @@ def mma_cycles(cmd: Mma, spec) -> int:
 
 def vector_cycles(cmd: Vector, spec) -> int:
     passes = max(r * _cdiv(c, spec.vector_lanes) for r, c in (cmd.dst.shape, cmd.srcs[0].shape))
-    return passes * spec.vector_op_cycles[_COSTED_AS.get(cmd.op, cmd.op)]
+    return passes * sum(spec.vector_op_cycles[op] for op in _COSTED_AS.get(cmd.op, (cmd.op,)))
 
 
-#: ops charged at another op's per-pass cost (see the module docstring)
-_COSTED_AS = {"rope_pairs": "rope"}
+#: ops charged the per-pass costs of other ops, summed (see the module docstring)
+_COSTED_AS = {"rope_pairs": ("rope",), "alibi": ("sub", "mul", "add")}
 
 
 def command_cycles(cmd, spec) -> int:

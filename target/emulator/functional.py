@@ -123,6 +123,10 @@ def vector(cmd: Vector, tcm: np.ndarray, params) -> None:
         rot = np.empty_like(x)
         rot[:, 0::2], rot[:, 1::2] = -x[:, 1::2], x[:, 0::2]
         r = x * cos + rot * sin
+    elif op == "alibi":
+        slope = tcm_view(tcm, cmd.srcs[1]).astype(_F32)           # (rows, 1) or (1, 1)
+        col = np.arange(x.shape[1], dtype=_F32)[None, :]
+        r = x + slope * (col - _F32(eval_value(cmd.origin, params)))
     elif op == "mask":
         rows, cols = x.shape
         keep = np.ones((rows, cols), dtype=bool)

@@ -225,7 +225,12 @@ def _check_vector(cmd, program, spec):
     want = (rows, 1) if cmd.op.startswith("reduce_") else (rows, cols)
     if tuple(cmd.dst.shape) != want:
         _fail(f"vector {cmd.op}: dst {cmd.dst.shape} != {want}")
-    if arity == 2 and len(srcs) == 2 and tuple(srcs[1].shape) not in \
+    if cmd.op == "alibi":
+        if tuple(srcs[1].shape) not in ((rows, 1), (1, 1)) or cmd.origin is None:
+            _fail(f"vector alibi: slopes {srcs[1].shape} are not one per row of {(rows, cols)}, "
+                  f"or no origin")
+        _check_params(cmd.origin, program, "alibi origin")
+    elif arity == 2 and len(srcs) == 2 and tuple(srcs[1].shape) not in \
             ((rows, cols), (rows, 1), (1, cols)):
         _fail(f"vector {cmd.op}: src1 {srcs[1].shape} does not broadcast to {(rows, cols)}")
     if cmd.op in ("rope", "rope_pairs"):

@@ -320,10 +320,22 @@ def _vector(op, tcm) -> Vector:
                      dst.stride if dst.shape == (rows, 1) else 1)
     else:
         srcs = tuple(_broadcast(s, dst.shape) for s in srcs)
-    limit = causal = None
+    limit = causal = origin = None
+    # a mask or alibi op iterates (..., query row, key, outer loops...) (the attention
+    # template's order): its row is the iter var before the key's, also in a tile of one row
+    at_row = row_var if row_var is not None else \
+        col_var - 1 if col_var is not None and col_var > 0 else None
+    r0 = op.attrs["iter_min"][at_row] if at_row is not None else 0
+    c0 = op.attrs["iter_min"][col_var] if col_var is not None else 0
+    if op.op == "alibi":
+        # the bias is 0 at the key of the first row's query: the runtime parameter
+        # ``alibi_query`` (or 0) plus ``alibi_offset``, plus the row where rows are
+        # consecutive queries (prefill), as a column of this command's tile
+        query = op.attrs.get("alibi_query", "")
+        origin = (Affine.param(query) if query else Affine(0)) + \
+            int(op.attrs.get("alibi_offset", 0)) + \
+            (r0 if op.attrs.get("alibi_rows", 0) else 0) - c0
     if op.op == "mask":
-        r0 = op.attrs["iter_min"][row_var] if row_var is not None else 0
-        c0 = op.attrs["iter_min"][col_var] if col_var is not None else 0
         if op.attrs.get("mask_len"):
             limit = Affine.param(op.attrs["mask_len"]) - c0       # keys >= length: -inf
         if op.attrs.get("mask_pos") is not None:
@@ -331,7 +343,7 @@ def _vector(op, tcm) -> Vector:
             pos = op.attrs["mask_pos"]
             causal = (Affine.param(pos) if pos else Affine(0)) + (r0 - c0)
     return Vector(op=op.op, dst=dst, srcs=srcs, imm=op.attrs.get("imm"),
-                  limit=limit, causal_offset=causal)
+                  limit=limit, causal_offset=causal, origin=origin)
 
 
 def _broadcast(src: TcmRef, shape) -> TcmRef:

@@ -510,10 +510,34 @@ def test_vector_mask_limit_and_causal_offset(spec, length, pos):
     assert (y == -np.inf).sum() == (~keep).sum()
 
 
+@pytest.mark.parametrize("rows_of_slopes", [4, 1])
+def test_vector_alibi_adds_a_slope_per_row_times_the_key_distance(spec, rows_of_slopes):
+    # x + slope[row] * (col - origin), origin = pos - 2 at run time; one slope per row (the
+    # heads of a decode group) or one for all rows (a prefill tile of one head). A bias on
+    # the wrong axis, of the wrong sign or without the origin gives other values
+    rows, cols, pos = 4, 80, 9
+    x = RNG.standard_normal((rows, cols)).astype(np.float32)
+    slopes = RNG.uniform(0.05, 1.0, (rows_of_slopes, 1)).astype(np.float32)
+    y, c = run_vector(spec, "alibi", [x, slopes], params={"pos": pos},
+                      origin=Affine.param("pos", const=-2))
+    col = np.arange(cols)[None, :]
+    np.testing.assert_allclose(y, x + slopes * (col - (pos - 2)), rtol=1e-6, atol=1e-5)
+    # three elementary passes (ramp - origin, times the slope, plus x) over 4 rows of
+    # two lane-widths each
+    per_pass = sum(spec.vector_op_cycles[o] for o in ("sub", "mul", "add"))
+    assert c.busy_cycles["vector"] == rows * ceil_div(cols, spec.vector_lanes) * per_pass
+
+
+def test_vector_alibi_refuses_slopes_that_are_not_one_per_row(spec):
+    x = RNG.standard_normal((4, 16)).astype(np.float32)
+    with pytest.raises(InvalidProgramError, match="alibi"):
+        run_vector(spec, "alibi", [x, np.ones((1, 16), np.float32)], origin=Affine(0))
+
+
 def test_every_vector_op_is_covered():
     tested = set(BINARY) | {"reduce_max", "reduce_sum", "exp", "rsqrt", "silu", "gelu",
                             "gelu_tanh", "cast",
-                            "copy", "rope", "rope_pairs", "mask"}
+                            "copy", "rope", "rope_pairs", "mask", "alibi"}
     assert tested == set(VECTOR_OP_ARITY)
 
 

@@ -37,14 +37,18 @@ def _cache(layout, seed=0):
     return k, v, pages
 
 
-def _attention_ref(q, k, v, pos, group):
-    """q (C, Hq, D); k, v (Hkv, L, D); query c sees keys <= pos + c."""
+def _attention_ref(q, k, v, pos, group, slopes=None):
+    """q (C, Hq, D); k, v (Hkv, L, D); query c sees keys <= pos + c. ``slopes`` (Hq,):
+    ALiBi, the scaled score of key j for the query at i gets ``slopes[h] * (j - i)``."""
     c, hq, d = q.shape
     length = k.shape[1]
     out = np.zeros((c, hq, d), np.float32)
-    visible = np.arange(length)[None, :] <= pos + np.arange(c)[:, None]
+    distance = np.arange(length)[None, :] - (pos + np.arange(c)[:, None])
+    visible = distance <= 0
     for h in range(hq):
         s = q[:, h].astype(np.float32) @ k[h // group].astype(np.float32).T / np.sqrt(d)
+        if slopes is not None:
+            s = s + slopes[h] * distance
         s = np.where(visible, s, -np.inf)
         w = np.exp(s - s.max(axis=1, keepdims=True))
         out[:, h] = (w / w.sum(axis=1, keepdims=True)) @ v[h // group].astype(np.float32)
@@ -205,6 +209,17 @@ def _check_row_sums(prog, tiles, rowsum_mma):
     assert (sums, reductions) == ((tiles, 0) if rowsum_mma else (0, tiles))
 
 
+def _prefill_program(spec, shape, tokens, max_pages, **kw):
+    """A lowered prefill attention over a shuffled cache: (layout, program, K, V, pages)."""
+    hq, hk, d = shape
+    lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
+    sch = schedule_prefill_attention(lay, hq, tokens, spec, max_pages=max_pages, **kw)
+    prog = lower_primfunc(sch.mod["main"], spec, "prefill_attention", outputs=["out"],
+                          **ATTENTION_LOWERING)
+    k, v, pages = _cache(lay)
+    return lay, prog, k, v, pages[:max_pages]
+
+
 @pytest.mark.parametrize("shape,chunk,max_pages,positions,rowsum_mma", [
     (SMOLLM2, 32, 8, (96, 5), 1),
     (SMOLLM2, 32, 8, (96, 5), 0),
@@ -212,13 +227,8 @@ def _check_row_sums(prog, tiles, rowsum_mma):
 ])
 def test_chunked_prefill_attention(spec, shape, chunk, max_pages, positions, rowsum_mma):
     hq, hk, d = shape
-    lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
-    sch = schedule_prefill_attention(lay, hq, chunk, spec, tile_q=16, tile_kv=32,
-                                     chunked=True, max_pages=max_pages, rowsum_mma=rowsum_mma)
-    prog = lower_primfunc(sch.mod["main"], spec, "chunked_prefill", outputs=["out"],
-                          **ATTENTION_LOWERING)
-    k, v, pages = _cache(lay)
-    pages = pages[:max_pages]
+    lay, prog, k, v, pages = _prefill_program(spec, shape, chunk, max_pages, tile_q=16,
+                                              tile_kv=32, chunked=True, rowsum_mma=rowsum_mma)
     q = np.random.default_rng(5).standard_normal((chunk, hq, d)).astype(np.float16)
     emu = Emulator(spec)
     for pos in positions:                  # one static program, two chunk positions
@@ -243,6 +253,74 @@ def test_chunked_prefill_attention(spec, shape, chunk, max_pages, positions, row
         assert sum(isinstance(c, Vector) and c.op == "mask" for c in ran) == masks * hq
     # every (q tile, KV tile) is in the static program, predicated at run time
     _check_row_sums(prog, hq * (chunk // 16) * (max_pages * P // 32), rowsum_mma)
+
+
+# -- ALiBi --------------------------------------------------------------------------------
+def _slopes(hq):
+    """Press et al.'s slopes for ``hq`` heads (2^(-8 h / hq)), shuffled so a bias taken
+    from the wrong head differs; steep enough that the bias decides which keys count."""
+    m = 2.0 ** (-8.0 * np.arange(1, hq + 1) / hq)
+    return np.random.default_rng(7).permutation(m * 8).astype(np.float32)
+
+
+def _slope_feed(slopes, d):
+    return (slopes * np.sqrt(d)).astype(np.float32)[:, None]   # in unscaled-score units
+
+
+@pytest.mark.parametrize("shape,max_pages,tile_kv,lengths", [
+    (TINY_LLAMA, 6, 16, (96, 33)),         # two query heads per KV head: a slope per row
+    (SMOLLM2, 4, 32, (5, 61)),
+])
+def test_decode_attention_with_alibi(spec, shape, max_pages, tile_kv, lengths):
+    hq, hk, d = shape
+    lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 3, page_tokens=P)
+    sch = schedule_decode_attention(lay, hq, max_pages, spec, tile_kv=tile_kv, alibi=True)
+    prog = lower_primfunc(sch.mod["main"], spec, "decode_attention", outputs=["out"],
+                          **ATTENTION_LOWERING)
+    k, v, pages = _cache(lay)
+    pages = pages[:max_pages]
+    q = np.random.default_rng(2).standard_normal((hq, d)).astype(np.float16)
+    slopes = _slopes(hq)
+    emu = Emulator(spec)
+    for length in lengths:
+        params = {**lay.page_table_params(pages, max_pages), "valid_len": length}
+        r = emu.run(prog, {"K_cache": k, "V_cache": v, "q": q,
+                           "slopes": _slope_feed(slopes, d)}, params=params)
+        kk, vv = gather_reference(k, pages, length), gather_reference(v, pages, length)
+        ref = _attention_ref(q[None], kk, vv, length - 1, hq // hk, slopes)[0]
+        _close(r.outputs["out"], ref)
+        # the bias matters: without it the answer is another one
+        plain = _attention_ref(q[None], kk, vv, length - 1, hq // hk)[0]
+        assert np.abs(plain - ref).max() > 0.05
+    # one bias per KV tile and KV head (over its group of query heads)
+    n_tiles = max_pages * P // tile_kv
+    assert sum(isinstance(c, Vector) and c.op == "alibi" for c in prog.commands) == \
+        n_tiles * hk
+
+
+@pytest.mark.parametrize("tokens,tile_q,chunked,positions", [
+    (65, 32, False, (0,)),                 # the last q tile has one row
+    (32, 16, True, (96, 5)),
+])
+def test_prefill_attention_with_alibi(spec, tokens, tile_q, chunked, positions):
+    hq, hk, d = TINY_LLAMA
+    max_pages = 8
+    lay, prog, k, v, pages = _prefill_program(spec, TINY_LLAMA, tokens, max_pages,
+                                              tile_q=tile_q, tile_kv=32, chunked=chunked,
+                                              alibi=True)
+    q = np.random.default_rng(4).standard_normal((tokens, hq, d)).astype(np.float16)
+    slopes = _slopes(hq)
+    emu = Emulator(spec)
+    for pos in positions:
+        length = pos + tokens
+        params = lay.page_table_params(pages, max_pages if chunked else -(-tokens // P))
+        if chunked:
+            params.update(pos=pos, valid_len=length)
+        r = emu.run(prog, {"K_cache": k, "V_cache": v, "q": q,
+                           "slopes": _slope_feed(slopes, d)}, params=params)
+        ref = _attention_ref(q, gather_reference(k, pages, length),
+                             gather_reference(v, pages, length), pos, hq // hk, slopes)
+        _close(r.outputs["out"], ref)
 
 
 # -- the race check -----------------------------------------------------------------------
