@@ -2,7 +2,7 @@
 is right.
 
 For every tiny with-past export of tests/data (Llama, Qwen2, GPT-2, Gemma, Phi-3, GPT-NeoX,
-Granite, OPT, Falcon, Gemma-2, Gemma-3, GPT-J, Cohere, MPT, CodeGen; see tests/data/README.md) and any
+Granite, OPT, Falcon, Gemma-2, Gemma-3, GPT-J, Cohere, MPT, CodeGen, BLOOM; see tests/data/README.md) and any
 ``--model`` given:
 
 - ``coverage_pct`` / ``npu_share_pct``: FLOPs in recognised regions / in regions that run
@@ -37,7 +37,8 @@ from report import write_json
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "falcon",
-            "gemma2", "gemma3", "gptj", "cohere", "mpt", "codegen")
+            "gemma2", "gemma3", "gptj", "cohere", "mpt", "codegen",
+            "bloom")
 PROMPT = [5, 17, 42, 7]
 
 

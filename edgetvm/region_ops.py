@@ -306,8 +306,9 @@ def causal_mask_problem(mask, pos: int, s: int) -> str | None:
                 f"sliding window of {window} tokens); the NPU attention kernel masks by "
                 f"causality only, so a KV cache longer than the window would attend to keys "
                 f"the model hides: build with --max-tokens {window} or less")
-    return ("the model adds a bias that is not the causal mask (an additive position bias "
-            "such as ALiBi, or padding); the NPU attention kernel masks by causality only")
+    return ("the model adds a bias that is not the causal mask (padding, or a position "
+            "bias other than ALiBi's); the NPU attention kernel masks by causality and adds "
+            "ALiBi's bias only")
 
 
 def mask_window(mask, pos: int, s: int) -> int | None:
@@ -337,3 +338,55 @@ def sliding_window(m, behind) -> int | None:
     if np.all(m[:, (behind >= 0) & (behind < w)] == 0) and np.all(m[:, behind >= w] <= -1e4):
         return w
     return None
+
+
+def alibi_slopes(mask, pos: int, s: int) -> np.ndarray | None:
+    """ALiBi's slope per head when the additive ``mask`` (..., heads or 1, s, pos + s) of
+    queries at ``pos..`` is the causal mask plus ``slope[h] * (key - query)`` (Press et al.
+    2022: MPT, BLOOM), up to a constant per row, which the softmax cancels (MPT's bias is
+    0 at the last key, BLOOM's at the first); else None. Hidden keys must be at least 1e4
+    below the row's visible maximum; visible ones within fp32 rounding of the line. The
+    slopes are fitted on the key distances this mask has (with one key, any fits: 0)."""
+    total = pos + s
+    if np.shape(mask)[-2:] != (s, total):
+        return None
+    m, behind = _rows_and_distances(np.asarray(mask, np.float64), pos, s)
+    visible = behind >= 0
+    if not np.all(np.isfinite(m[:, visible])):
+        return None
+    if total < 2:               # one key: any bias on it is a constant, any slope fits
+        return np.zeros(m.shape[0], np.float32)
+    diag = m[:, np.arange(s), pos + np.arange(s)][:, :, None]       # behind == 0
+    rel = np.where(visible, m - diag, 0.0)                            # slope * (key - query)
+    dist = np.where(visible, -behind, 0).astype(np.float64)
+    slopes = (rel * dist).sum(axis=(1, 2)) / (dist * dist).sum()
+    fit = slopes[:, None, None] * dist
+    tol = 1e-5 * max(1.0, float(np.abs(m[:, visible]).max()))
+    if np.abs(np.where(visible, rel - fit, 0.0)).max() > tol:
+        return None
+    top = np.where(visible, m, -np.inf).max(axis=2, keepdims=True)
+    if not np.all(np.where(visible, -np.inf, m - top) <= -1e4):
+        return None
+    # a leading batch axis of 1: one slope per head (or one for every head)
+    heads = np.shape(mask)[-3] if np.ndim(mask) >= 3 else 1
+    if slopes.size != heads:
+        return None
+    return slopes.astype(np.float32)
+
+
+def mask_bias(mask, pos: int, s: int, heads: int) -> np.ndarray | None:
+    """What the attention kernel must do for the additive ``mask`` (..., s, pos + s) of
+    queries at ``pos..``: None when it is the causal mask, ALiBi's slope per head (``heads``
+    of them) when it is the causal mask plus ALiBi's bias; raises ValueError naming what
+    else it is (:func:`causal_mask_problem`)."""
+    problem = causal_mask_problem(mask, pos, s)
+    if problem is None:
+        return None
+    slopes = alibi_slopes(mask, pos, s)
+    if slopes is None or sliding_window(*_rows_and_distances(mask, pos, s)) is not None:
+        raise ValueError(problem)
+    if slopes.size not in (1, heads):
+        raise ValueError(f"the mask has {slopes.size} heads, the attention {heads}")
+    if not slopes.any():        # a constant per row only: the causal mask to the softmax
+        return None
+    return np.broadcast_to(slopes, (heads,)).astype(np.float32)

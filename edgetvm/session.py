@@ -44,7 +44,7 @@ from .npu_regions import (KernelCache, build_cluster, keeps_heads, offloadable,
                           passthrough_outputs,
                           rows_of, unsound_offloads)
 from .offload import offload_regions
-from .region_ops import (activation_input, attention_roles, causal_mask_problem, mask_scale,
+from .region_ops import (activation_input, attention_roles, mask_bias, mask_scale,
                          param_index, past_input, result_shapes, rope_dims, rope_heads_axis,
                          rope_roles)
 
@@ -455,12 +455,14 @@ class NPUSession:
                 self._append(layer, (k, empty), (v, empty), 0)
             kv = self.kv
             pos = kv.layer_len[layer] - s
+            sc = scale if scale == scale else d ** -0.5
+            slopes = None
             if "mask" in roles:
                 mask = given[roles["mask"]].numpy() if roles["mask"] in given else \
                     region.args[roles["mask"]]
-                _check_causal_mask(mask * mask_scale(region), pos, s, region.index)
-            out = self._attend(layer, q[0].transpose(1, 0, 2), pos,
-                               scale if scale == scale else d ** -0.5)
+                slopes = _mask_slopes(mask * mask_scale(region), pos, s, region.index, hq)
+            out = self._attend(layer, q[0].transpose(1, 0, 2), pos, sc,
+                               None if slopes is None else slopes / sc)
             if heads_major_out:              # (s, hq, d) -> (hq, s, d): Falcon's layout
                 out = out.transpose(1, 0, 2)
             (shape,) = result_shapes(region.func, region.runtime_positions, args)
@@ -468,30 +470,34 @@ class NPUSession:
                 out.reshape(shape).astype(np.float32)))
         return run
 
-    def _attend(self, layer: int, q, pos: int, scale: float) -> np.ndarray:
-        """q (s, hq, d) at positions pos.. -> (s, hq, d)."""
+    def _attend(self, layer: int, q, pos: int, scale: float, slopes=None) -> np.ndarray:
+        """q (s, hq, d) at positions pos.. -> (s, hq, d); ``slopes`` (hq,): ALiBi's, in
+        unscaled-score units (the model's over the softmax scale)."""
         kv = self.kv
         s, hq, d = q.shape
         valid = pos + s
         pages = capacity_bucket(-(-valid // kv.page_tokens))
         tile = min(64, pages * kv.page_tokens)
+        alibi = slopes is not None
         if s == 1:
-            key = ("decode_attention", pages)
+            key = ("decode_attention", pages, alibi)
             build = lambda: schedule_decode_attention(  # noqa: E731
                 kv.layout, hq, pages, self.spec, tile_kv=tile, slots_kv=2, slots_s=1,
-                scale=scale)
+                scale=scale, alibi=alibi)
             feeds = {"q": q[0].astype(np.float16)}
             params = {"valid_len": valid}
         else:
             c = self.bucket(s)
-            key = ("prefill_attention", c, pages)
+            key = ("prefill_attention", c, pages, alibi)
             build = lambda: schedule_prefill_attention(  # noqa: E731
                 kv.layout, hq, c, self.spec, tile_q=min(64, c), tile_kv=tile, slots_kv=2,
-                slots_s=1, chunked=True, max_pages=pages, scale=scale)
+                slots_s=1, chunked=True, max_pages=pages, scale=scale, alibi=alibi)
             qp = np.zeros((c, hq, d), np.float16)
             qp[:s] = q
             feeds = {"q": qp}
             params = {"valid_len": valid, "pos": pos}
+        if alibi:
+            feeds["slopes"] = np.asarray(slopes, np.float32).reshape(hq, 1)
         base = self._programs.get(key)
         if base is None:
             base = lower_primfunc(build().mod["main"], self.spec, key[0], outputs=["out"],
@@ -516,12 +522,14 @@ def _kernel_input_order(region):
     return lambda n: [first] + [i for i in range(n) if i != first]
 
 
-def _check_causal_mask(mask, pos: int, s: int, index: int) -> None:
-    """Raise unless the additive ``mask`` (..., s, pos + s) is the causal mask of queries at
-    ``pos..pos + s - 1`` (see :func:`~edgetvm.region_ops.causal_mask_problem`)."""
-    problem = causal_mask_problem(mask, pos, s)
-    if problem:
-        raise EdgeTVMError(f"attention region {index}: {problem}")
+def _mask_slopes(mask, pos: int, s: int, index: int, heads: int):
+    """None when the additive ``mask`` (..., s, pos + s) is the causal mask of queries at
+    ``pos..pos + s - 1``; ALiBi's slope per head (``heads``) when it is that plus ALiBi's
+    bias; else raise (see :func:`~edgetvm.region_ops.mask_bias`)."""
+    try:
+        return mask_bias(mask, pos, s, heads)
+    except ValueError as e:
+        raise EdgeTVMError(f"attention region {index}: {e}") from None
 
 
 def _heads_major(x, kv_heads: int, head_dim: int):

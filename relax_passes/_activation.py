@@ -29,18 +29,22 @@ def relu(u):
 
 def gelu_tanh(u):
     """``0.5 * u * (1 + tanh(sqrt(2/pi) * (u + 0.044715 * u^3)))`` (GPT-2's ``gelu_new``,
-    ``gelu_pytorch_tanh``), the cube as ``power(u, 3)`` or ``u * u * u``, or
+    ``gelu_pytorch_tanh``), the cube as ``power(u, 3)`` or ``u * u * u``, the inner
+    polynomial factored (BLOOM's ``sqrt(2/pi) * u * (1 + 0.044715 * u * u)``), or
     ``nn.gelu_tanh``. Its constants are annotated for :func:`activation_constants_ok`."""
-    half, one, c1, c2, three = (is_const() for _ in range(5))
+    half, one, one2, c1, c2, three = (is_const() for _ in range(6))
     cube = (call("relax.power", u, three) | call("relax.multiply", u, call("relax.multiply", u, u))
             | call("relax.multiply", call("relax.multiply", u, u), u))
     inner = call("relax.multiply", c1, call("relax.add", u, call("relax.multiply", c2, cube)))
+    # BLOOM factors u out: (sqrt(2/pi) * u) * (1 + 0.044715 * u * u)
+    inner = inner | call("relax.multiply", call("relax.multiply", c1, u), call(
+        "relax.add", one2, call("relax.multiply", call("relax.multiply", c2, u), u)))
     one_plus = call("relax.add", one, call("relax.tanh", inner))
     p = (call("relax.multiply", call("relax.multiply", half, u), one_plus)
          | call("relax.multiply", half, call("relax.multiply", u, one_plus))
          | call("relax.nn.gelu_tanh", u))
-    return p, {"act_gelu_tanh": p, "tanh_half": half, "tanh_one": one, "tanh_c1": c1,
-               "tanh_c2": c2, "tanh_three": three}
+    return p, {"act_gelu_tanh": p, "tanh_half": half, "tanh_one": one, "tanh_one2": one2,
+               "tanh_c1": c1, "tanh_c2": c2, "tanh_three": three}
 
 
 def gelu_erf(u):
@@ -56,7 +60,7 @@ def gelu_erf(u):
 
 
 #: the value each annotated activation constant must have (fp32 as exported)
-_CONSTANTS = {"tanh_half": 0.5, "tanh_one": 1.0, "tanh_c1": math.sqrt(2 / math.pi),
+_CONSTANTS = {"tanh_half": 0.5, "tanh_one": 1.0, "tanh_one2": 1.0, "tanh_c1": math.sqrt(2 / math.pi),
               "tanh_c2": 0.044715, "tanh_three": 3.0, "erf_half": 0.5, "erf_one": 1.0,
               "erf_root2": math.sqrt(2), "erf_inv_root2": 1 / math.sqrt(2)}
 

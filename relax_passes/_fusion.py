@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 import tvm
-from tvm.relax.dpl import is_op
+from tvm.relax.dpl import is_op, rewrite_call
 from tvm import relax
 
 # TVM 0.27 moved constants to tvm.ir (relax.const builds an ir.GenericConst).
@@ -246,6 +246,25 @@ def main_functions(mod: tvm.IRModule):
             func.attrs is None or "Composite" not in func.attrs
         ):
             yield gv, func
+
+
+def rewrite_main_functions(mod: tvm.IRModule, rewrites) -> tvm.IRModule:
+    """Apply ``rewrite_call(pattern, fn)`` for each ``(pattern, fn)`` of ``rewrites``, in
+    order, to every entry function of ``mod``; canonicalise the bindings where anything
+    changed (the aliases a rewrite leaves behind). ``mod`` itself when nothing did."""
+    updates = {}
+    for gv, func in main_functions(mod):
+        new_func = func
+        for pattern, fn in rewrites:
+            new_func = rewrite_call(pattern, fn, new_func)
+        if not new_func.same_as(func):
+            updates[gv] = new_func
+    if not updates:
+        return mod
+    mod = mod.clone()
+    for gv, func in updates.items():
+        mod.update_func(gv, func)
+    return relax.transform.CanonicalizeBindings()(mod)
 
 
 def call(op_name: str, *args):

@@ -35,6 +35,12 @@ def attention_patterns() -> list[RegionPattern]:
         | call("relax.divide", raw, s_div)
         | call("relax.matmul", call("relax.multiply", q, s_q), call("relax.multiply", k_t, s_k))
     )
+    # BLOOM: the matmuls on (batch * heads)-row 3-D tensors between reshapes (its bias,
+    # added to the 3-D scores, is moved into the mask first: AdditiveAttentionMask)
+    raw3 = call("relax.matmul", call("relax.reshape", q),
+                call("relax.permute_dims", call("relax.reshape", repeated)))
+    scores = call("relax.reshape", call("relax.multiply", raw3, s_mul)
+                  | call("relax.divide", raw3, s_div)) | scores
     masked = call("relax.add", scores, mask)
     # CodeGen masks before it scales: (q @ k^T + mask) / s, the mask still 0 or <= -1e4
     pre_masked = call("relax.add", raw, mask)
@@ -42,7 +48,10 @@ def attention_patterns() -> list[RegionPattern]:
         call("relax.divide", pre_masked, s_div)
     probs = call("relax.nn.softmax", masked | masked_scaled | scores)
     probs = call("relax.where", call("relax.isnan", probs), is_const(), probs) | probs
-    out = call("relax.matmul", probs, _repeat_kv(head_split(v)))
+    v_rep = _repeat_kv(head_split(v))
+    out = call("relax.reshape", call("relax.matmul", call("relax.reshape", probs),
+                                     call("relax.reshape", v_rep))) | \
+        call("relax.matmul", probs, v_rep)
     merged_t = call("relax.reshape", call("relax.permute_dims", out))
     merged = call("relax.reshape", out)
     annotations = {

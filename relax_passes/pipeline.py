@@ -17,6 +17,7 @@ from .annotate_mlp import AnnotateMLP
 from .annotate_residual import AnnotateResidual
 from .annotate_rms_norm import AnnotateRMSNorm
 from .annotate_rope import AnnotateRoPE
+from .additive_mask import AdditiveAttentionMask
 from .remove_identity_casts import RemoveIdentityCasts
 
 
@@ -27,6 +28,9 @@ def semantic_passes() -> list:
       attention scale ``sqrt(1 / sqrt(head_dim))``, Gemma's ``1 + weight``), and a pattern
       that expects a constant would not see one;
     - identity casts next: they sit between the ops the patterns look for;
+    - a masked fill before a softmax becomes an added mask (MPT's ALiBi attention), the
+      form the attention pattern takes; before the mask pattern, which may then claim
+      the new mask's construction;
     - LayerNorm before RMSNorm: a spelled-out LayerNorm ends in an RMSNorm of the centred
       input (Cohere's), which RMSNorm would claim, leaving the centring on the host;
     - norms, RoPE and KV append before attention: they are attention's inputs, and a
@@ -38,6 +42,7 @@ def semantic_passes() -> list:
     return [
         relax.transform.FoldConstant(),
         RemoveIdentityCasts(),
+        AdditiveAttentionMask(),
         AnnotateEmbedding(),
         AnnotateAttentionMask(),
         AnnotateLayerNorm(),

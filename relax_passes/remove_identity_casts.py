@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import tvm
-from tvm import relax
-from tvm.relax.dpl import is_op, rewrite_call, wildcard
+from tvm.relax.dpl import is_op, wildcard
 
-from ._fusion import dtype_of, main_functions
+from ._fusion import dtype_of, rewrite_main_functions
 
 
 @tvm.transform.module_pass(opt_level=0, name="RemoveIdentityCasts")
@@ -27,14 +26,4 @@ class RemoveIdentityCasts:
             source = matches[x]
             return source if dtype_of(source) == str(expr.attrs.dtype) else expr
 
-        updates = {}
-        for gv, func in main_functions(mod):
-            new_func = rewrite_call(cast, rewrite, func)
-            if not new_func.same_as(func):
-                updates[gv] = new_func
-        if not updates:
-            return mod
-        mod = mod.clone()
-        for gv, func in updates.items():
-            mod.update_func(gv, func)
-        return relax.transform.CanonicalizeBindings()(mod)
+        return rewrite_main_functions(mod, [(cast, rewrite)])

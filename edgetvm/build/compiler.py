@@ -28,7 +28,7 @@ from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules.kv_cache import PAGE_TOKENS, KVCacheLayout
 
 from .cuts import apply_cuts
-from .graph import BuildError, SlidingWindowError, extract_phase_graph
+from .graph import BuildError, SlidingWindowError, add_alibi_slopes, extract_phase_graph
 from .kernels import KernelBuilder
 from .link import Linker, plan_dram
 from .positions import evaluate_positions, position_limit
@@ -81,6 +81,7 @@ class ModelCompiler:
             self.capacity_bound = f"the model's position table of {self.position_limit} rows"
         self._tables: dict = {}
         self._checked_masks: set = set()
+        self._slopes: dict = {}         # mask key -> ALiBi's slopes (None: causal only)
         self._graphs: dict = {}
         self._linked: dict = {}
         self._partitions: dict = {}     # (id(graph), strategy, profile) -> (graph, groups)
@@ -128,15 +129,18 @@ class ModelCompiler:
         if todo or new_masks:
             sub = type(g)(g.phase, g.rows, g.pages, [], {}, g.logits, g.logits_rows,
                           g.kv_heads, g.head_dim, g.layers, todo)
-            self._tables.update(evaluate_positions(self.mod, self.regions, [sub], new_masks,
-                                                   self.max_tokens + self.max_rows,
-                                                   limit=self.position_limit,
-                                                   capacity=self.max_tokens))
+            found = evaluate_positions(self.mod, self.regions, [sub], new_masks,
+                                       self.max_tokens + self.max_rows,
+                                       limit=self.position_limit, capacity=self.max_tokens)
+            self._tables.update(found.tables)
+            self._slopes.update({_mask_key(m): v for m, v in found.slopes.items()})
             self._checked_masks |= {_mask_key(m) for m, _ in new_masks}
         for name in g.position_tables:
             t = g.tensors[name]
             t.data = self._tables[name]
             t.shape = t.data.shape
+        slopes = {i: self._slopes.get(_mask_key(m)) for m, i in masks}
+        add_alibi_slopes(g, {i: s for i, s in slopes.items() if s is not None})
         if self.layout is None:
             self.layout = KVCacheLayout(g.kv_heads, g.head_dim, self.num_pages, PAGE_TOKENS)
             self.kernels = KernelBuilder(self.spec, self.layout, knobs_for=self.knobs_for)

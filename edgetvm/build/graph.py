@@ -968,6 +968,22 @@ def _stage_shape(cluster, stage) -> tuple:
     raise KeyError(stage.output)
 
 
+def add_alibi_slopes(graph: PhaseGraph, slopes: dict) -> None:
+    """Give the attention ops of the regions in ``slopes`` (region index -> ALiBi's slope
+    per query head, as the softmax sees the bias) their kernel's ``slopes`` input: a
+    constant (heads, 1) float32 in unscaled-score units (over the softmax scale: the
+    kernel folds the scale into its exponent)."""
+    for op in graph.ops:
+        if op.kind != "attention" or op.region not in slopes:
+            continue
+        hq, scale = op.attrs["q_heads"], op.attrs["scale"]
+        data = (np.asarray(slopes[op.region], np.float64) / scale).astype(np.float32)
+        name = f"L{op.layer}.alibi_slopes"
+        graph.tensors[name] = Tensor(name, (hq, 1), "float32", "const", data.reshape(hq, 1))
+        op.inputs["slopes"] = View.whole(name, (hq, 1))
+        op.attrs["alibi"] = True
+
+
 def extract_phase_graph(mod, regions, phase: str, rows: int, pages: int,
                         logits_rows: str = "last") -> tuple:
     """The :class:`PhaseGraph` of one phase and bucket, and the position-only values it

@@ -282,11 +282,16 @@ class KernelBuilder:
 
     def _attention(self, graph, index, op, knobs=None) -> Kernel:
         hq, scale = op.attrs["q_heads"], op.attrs["scale"]
+        alibi = bool(op.attrs.get("alibi"))
         pages = graph.pages
+        # (ALiBi's kernels have a key of their own; a causal one keeps its key, and so
+        # its tuning-log records)
+        extra = ("alibi",) if alibi else ()
         if graph.phase == "decode":
-            key = repr(("decode_attention", DECODE_REVISION, hq, pages, scale))
+            key = repr(("decode_attention", DECODE_REVISION, hq, pages, scale, *extra))
         else:
-            key = repr(("prefill_attention", PREFILL_REVISION, hq, graph.rows, pages, scale))
+            key = repr(("prefill_attention", PREFILL_REVISION, hq, graph.rows, pages, scale,
+                        *extra))
         knobs, replayed = self._knobs(key, knobs)
 
         def build(kn):
@@ -294,15 +299,18 @@ class KernelBuilder:
                 if kn is None else dict(kn)
             if graph.phase == "decode":
                 sch = _apply(schedule_decode_attention, None, "decode attention", kn,
-                             self.layout, hq, pages, self.spec, scale=scale)
+                             self.layout, hq, pages, self.spec, scale=scale, alibi=alibi)
             else:
                 sch = _apply(schedule_prefill_attention, None, "prefill attention", kn,
                              self.layout, hq, graph.rows, self.spec, chunked=True,
-                             max_pages=pages, scale=scale)
+                             max_pages=pages, scale=scale, alibi=alibi)
             return lower_primfunc(sch.mod["main"], self.spec, f"{graph.phase}_attention",
                                   outputs=["out"], **ATTENTION_LOWERING), kn
         program, used = self._cached(key, knobs, replayed, build)
-        return Kernel(op.name, (index,), program, {"q": op.inputs["q"], "out": op.outputs["out"]},
+        bindings = {"q": op.inputs["q"], "out": op.outputs["out"]}
+        if alibi:
+            bindings["slopes"] = op.inputs["slopes"]
+        return Kernel(op.name, (index,), program, bindings,
                       state=_layer_state(op.layer), knobs=used, key=key)
 
 

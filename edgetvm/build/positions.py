@@ -8,16 +8,19 @@ run for every position of the cache at once, and the result is a constant table 
 rows the kernels read at the step's runtime position ``pos``. Each table is checked
 against a second evaluation at another offset (a value that depends on more than the
 position is refused). The attention mask is evaluated for several (past, new) lengths
-and must be the causal mask the attention kernel applies by itself; anything else (an
-ALiBi bias, padding) is refused at build time.
+and must be the causal mask the attention kernel applies by itself, or that plus ALiBi's
+bias (a slope per head times the key's distance, which the kernel adds from the slopes);
+anything else (padding, another position bias) is refused at build time.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from edgetvm.region_ops import causal_mask_problem, mask_scale, mask_window
+from edgetvm.region_ops import mask_bias, mask_scale, mask_window
 
 from .graph import BuildError, SlidingWindowError
 
@@ -123,6 +126,21 @@ def _lookup_rows(value, by_symbol, constant) -> int | None:
         axis = int(value.attrs.axis) if value.attrs.axis is not None else 0
         rows = ty.shape.values[axis]
         return int(rows) if isinstance(rows, tvm.tirx.IntImm) else None
+    if value.op.name == "relax.strided_slice" and constant(value.args[0]):
+        # a slice of a constant table at a bound that follows the sequence length
+        # (MPT's ALiBi bias, alibi[..., 256 - kv_len:]): the table's length there
+        ty = value.args[0].ty
+        shape = getattr(ty, "shape", None)
+        if shape is None:
+            return None
+        axes, begin, end = (list(value.args[k].fields) for k in (1, 2, 3))
+        rows = []
+        for axis, b, e in zip(axes, begin, end):
+            if _symbolic(b) or _symbolic(e):
+                n = shape.values[int(getattr(axis, "value", axis))]
+                if isinstance(n, tvm.tirx.IntImm):
+                    rows.append(int(n))
+        return min(rows) if rows else None
     if value.op.name == "relax.call_pure_packed":
         region = by_symbol.get(str(value.args[0].global_symbol))
         if region is not None and region.kind == "embedding":
@@ -132,11 +150,17 @@ def _lookup_rows(value, by_symbol, constant) -> int | None:
     return None
 
 
+def _symbolic(e) -> bool:
+    """A slice bound that is not a constant (it follows a symbolic length)."""
+    e = getattr(e, "value", e)
+    return not isinstance(e, (int, tvm.tirx.IntImm))
+
+
 def position_limit(mod, regions) -> int | None:
     """How many positions the model can address: the rows of the smallest constant table
     it looks something other than the token ids up in (a learned position embedding, a
-    precomputed sin/cos cache), or None when it looks nothing up by position (RoPE
-    computes its angles)."""
+    precomputed sin/cos cache) or slices by a length (a precomputed ALiBi bias), or None
+    when it does neither (RoPE computes its angles)."""
     main = mod["main"]
     by_symbol = {r.symbol: r for r in regions}
     from_ids = {p for p in main.params if p.name == "input_ids"}
@@ -183,10 +207,11 @@ def _concrete(ty, dims: dict, what: str) -> tuple:
 
 
 def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
-                       limit: int | None = None, capacity: int | None = None) -> dict:
+                       limit: int | None = None,
+                       capacity: int | None = None) -> "PositionValues":
     """Fill the position tables of ``graphs`` (``PhaseGraph.position_tables``) with rows for
     ``positions`` positions and check the attention ``masks`` (as returned by
-    ``extract_phase_graph``); returns table name -> data (positions, width) float16.
+    ``extract_phase_graph``): the tables and ALiBi's slopes (:class:`PositionValues`).
 
     ``limit``: the positions the model can address (:func:`position_limit`); rows past it
     (the padding rows of a bucket that ends past a learned position table) are zero, never
@@ -206,7 +231,7 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
     table_vars = list(dict.fromkeys(tables.values()))
     targets = table_vars + mask_vars
     if not targets:
-        return {}
+        return PositionValues({}, {})
     fn = PositionFunction(mod, regions, targets)
     valid = positions if limit is None else min(positions, limit)
     full = dict(zip(targets, fn(0, valid)))
@@ -219,6 +244,9 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
         data[var] = np.concatenate([rows, np.zeros((positions - valid, rows.shape[1]),
                                                    np.float32)])
     index_of = {m: i for m, i in masks if isinstance(m, relax.Var)}
+    region_heads = {r.index: int(r.attrs["edgetvm.num_heads"]) for r in regions
+                    if r.kind == "attention"}
+    heads_of = {m: region_heads[i] for m, i in masks if isinstance(m, relax.Var)}
     # the mask each softmax sees: times the scale, where a region scales it (CodeGen)
     region_of = {r.index: r for r in regions}
     scales = {}
@@ -231,6 +259,7 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
         # and where the cache ends: a mask that differs from causality only far from the
         # query (a sliding window) is causal at the first positions
         checks += [(capacity - 1, 1), (max(0, capacity - 8), min(8, capacity))]
+    slopes: dict = {}
     for past, new in checks:
         if past + new > valid:
             continue
@@ -242,14 +271,37 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
                                  f"position alone (rows differ at past={past}, new={new})")
         for var in mask_vars:
             got[var] = got[var] * scale_of[var]
-            problem = causal_mask_problem(got[var], past, new)
-            if problem:
-                message = f"attention region {index_of[var]}: {problem}"
+            region = index_of[var]
+            try:
+                found = mask_bias(got[var], past, new, heads_of[var])
+            except ValueError as e:
+                message = f"attention region {region}: {e}"
                 window = mask_window(got[var], past, new)
                 if window is not None:
-                    raise SlidingWindowError(message, window)
-                raise BuildError(message)
-    return {name: data[var].astype(np.float16) for name, var in tables.items()}
+                    raise SlidingWindowError(message, window) from None
+                raise BuildError(message) from None
+            # ALiBi's slopes, the same at every length (a single query at position 0
+            # sees one key: no distance to fit, nothing to compare)
+            if past + new < 2:
+                continue
+            before = slopes.setdefault(var, found)
+            if (before is None) != (found is None) or found is not None and \
+                    not np.allclose(before, found, rtol=1e-4, atol=1e-7):
+                raise BuildError(f"attention region {region}: the mask's position bias "
+                                 f"changes with the length (at past={past}, new={new}): "
+                                 f"not ALiBi's")
+    return PositionValues({name: data[var].astype(np.float16) for name, var in tables.items()},
+                          slopes)
+
+
+@dataclass
+class PositionValues:
+    """What :func:`evaluate_positions` found: the position ``tables`` (name -> (positions,
+    width) float16) and, per mask var checked, ALiBi's slope per head (as the softmax
+    sees the bias; None for the causal mask alone)."""
+
+    tables: dict
+    slopes: dict
 
 
 def _const(value):

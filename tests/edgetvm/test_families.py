@@ -111,19 +111,24 @@ def test_falcon_attention_that_keeps_its_heads_runs_on_the_npu():
 #: families whose import needed a front-end fix: family -> (regions that must run on the NPU,
 #: what the export needed). GPT-J's and Cohere's rotary rotates neighbouring pairs (the
 #: vector unit's rope_pairs); Cohere's bias-free LayerNorm is spelled out with a
-#: reciprocal square root. MPT's ALiBi attention has no NPU kernel yet: it stays on the host
+#: reciprocal square root. MPT's attention adds ALiBi's bias and fills the hidden scores
+#: (a masked fill, not an added mask): the NPU kernel adds the bias from the slopes
 IMPORTED = {
     "gptj": ({"layer_norm", "linear", "attention", "mlp", "kv_append", "lm_head", "rope"},
              "a Tile by a Shape, an Expand of symbolic dims"),
     "cohere": ({"layer_norm", "linear", "attention", "mlp", "kv_append", "rope"},
                "ReduceMax of a constant in a Reshape target"),
-    "mpt": ({"layer_norm", "linear", "mlp", "kv_append", "lm_head"},
+    "mpt": ({"layer_norm", "linear", "mlp", "kv_append", "lm_head", "attention"},
             "a Slice from kv_len to INT64_MAX"),
     # not an import fix: two of CodeGen's four appends bring (batch, seq, 4, 1, d) pieces
     # (heads in groups), which stopped the run before; its attention adds the mask before
     # it scales the scores
     "codegen": ({"layer_norm", "linear", "mlp", "lm_head", "attention", "rope", "kv_append"},
                 ""),
+    # not an import fix either: BLOOM's attention runs on (batch * heads)-row 3-D tensors
+    # with its ALiBi bias added before the heads split out, and its GELU factors the inner
+    # polynomial; both ran on the host before
+    "bloom": ({"layer_norm", "linear", "mlp", "lm_head", "attention", "kv_append"}, ""),
 }
 
 
@@ -136,6 +141,8 @@ def test_family_that_needed_an_import_fix(family):
     assert IMPORTED[family][0] <= kinds, (family, kinds)
     if family == "codegen":
         assert Counter(r.kind for r in session.regions)["kv_append"] == 4
+    if family in ("mpt", "bloom"):
+        assert Counter(r.kind for r in session.regions)["attention"] == 2
     _check_against_reference(family, session)
 
 

@@ -14,7 +14,7 @@ from reference_loop import assert_outputs_close, greedy_loop, onnxruntime_model
 import edgetvm.session as session_module
 from edgetvm.errors import EdgeTVMError
 from edgetvm.inspect import inspect_model
-from edgetvm.session import NPUSession, _check_causal_mask
+from edgetvm.session import NPUSession, _mask_slopes
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 PROMPT = [5, 17, 42, 7]
@@ -82,10 +82,10 @@ def test_host_attention_reads_the_present_of_npu_kv_appends(monkeypatch):
 def test_every_attention_call_checks_its_mask(monkeypatch):
     seen = []
 
-    def spy(mask, pos, s, index):
+    def spy(mask, pos, s, index, heads):
         seen.append((mask.shape, pos, s))
-        _check_causal_mask(mask, pos, s, index)
-    monkeypatch.setattr(session_module, "_check_causal_mask", spy)
+        return _mask_slopes(mask, pos, s, index, heads)
+    monkeypatch.setattr(session_module, "_mask_slopes", spy)
     path = str(DATA / "gpt2_tiny_with_past.onnx")
     _same_as_onnxruntime(NPUSession(path, max_tokens=64), path, steps=2)
     assert [(p, s) for _, p, s in seen] == [(0, 4), (0, 4), (4, 1), (4, 1)]   # 2 layers
@@ -98,15 +98,17 @@ def _causal(pos, s, fill=np.float32(-3.4e38)):
 
 
 def test_causal_mask_check():
-    _check_causal_mask(_causal(0, 5), 0, 5, 0)
-    _check_causal_mask(_causal(7, 3), 7, 3, 0)
-    _check_causal_mask(_causal(7, 1, fill=np.float32(-1e9)), 7, 1, 0)
+    assert _mask_slopes(_causal(0, 5), 0, 5, 0, 4) is None
+    assert _mask_slopes(_causal(7, 3), 7, 3, 0, 4) is None
+    assert _mask_slopes(_causal(7, 1, fill=np.float32(-1e9)), 7, 1, 0, 4) is None
+    # ALiBi (MPT's: 0 at the last key) gives the attention its slopes
     alibi = _causal(2, 3) - 0.5 * np.arange(5)[None, None, None, ::-1]
+    np.testing.assert_allclose(_mask_slopes(alibi, 2, 3, 0, 4), [0.5] * 4)
     padded = _causal(2, 3)
     padded[..., 0] = np.float32(-3.4e38)
-    for bad in (alibi, padded, _causal(2, 3, fill=np.float32(-1.0)), _causal(3, 2)):
+    for bad in (padded, _causal(2, 3, fill=np.float32(-1.0)), _causal(3, 2)):
         with pytest.raises(EdgeTVMError, match="mask"):
-            _check_causal_mask(bad, 2, 3, 0)
+            _mask_slopes(bad, 2, 3, 0, 4)
 
 
 def _set_constant(model, output_name, value):

@@ -28,7 +28,7 @@ PROMPT = [5, 17, 42, 7]
 NEW_TOKENS = 16               # 4 + 16 tokens: the cache crosses its first 16-token page
 MAX_TOKENS = 128
 FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "gemma2",
-            "gemma3", "falcon", "gptj", "cohere", "codegen")
+            "gemma3", "falcon", "gptj", "cohere", "codegen", "mpt", "bloom")
 
 _compilers: dict = {}
 
@@ -75,18 +75,29 @@ def test_every_family_token_exact_with_region_kernels(family):
     assert all(r.npu_cycles > 0 and r.dram_read_bytes > 0 for r in recs)
 
 
-def test_a_model_with_host_code_on_npu_data_is_refused_not_miscompiled():
-    # MPT adds ALiBi biases to its attention scores, which no NPU kernel does: the host
-    # would have to run that attention between NPU kernels, which a phase program cannot;
-    # the build says so
+def test_a_model_with_host_code_on_npu_data_is_refused_not_miscompiled(tmp_path):
+    # MPT's attention fills the hidden scores with finfo.min before its softmax; filled
+    # with -1 instead, hidden keys still count, that is not attention the NPU kernel
+    # does, and its ops stay on the host. The host would have to run them between NPU
+    # kernels, which a phase program cannot: the build says so
+    import onnx
+    from onnx import numpy_helper
+
     from edgetvm.build.graph import BuildError
-    mc = ModelCompiler(str(_path("mpt")), max_tokens=MAX_TOKENS, max_rows=16)
+    model = onnx.load(str(_path("mpt")))
+    producer = {o: n for n in model.graph.node for o in n.output}
+    where = next(n for n in model.graph.node if n.name == "/transformer/blocks.0/attn/Where")
+    fill = producer[where.input[1]].attribute[0].t
+    assert numpy_helper.to_array(fill) < -1e30
+    fill.CopyFrom(numpy_helper.from_array(np.asarray(-1.0, np.float32)))
+    path = tmp_path / "mpt_weak_fill.onnx"
+    onnx.save(model, str(path))
+    mc = ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16)
     with pytest.raises(BuildError, match="no NPU kernel.*--reference") as refusal:
         mc.program("decode", 1, 1)
     # the refusal names the ONNX node the op came from, which the user can find
-    import onnx
     node = str(refusal.value).split("(ONNX node '")[1].split("'")[0]
-    assert node in {n.name for n in onnx.load(str(_path("mpt"))).graph.node}
+    assert node in {n.name for n in model.graph.node}
 
 
 @pytest.mark.parametrize("strategy", ["regions", "edgellm"])
@@ -217,6 +228,42 @@ def test_causal_mask_check():
     holes[..., 3] = -3.4e38                  # one masked key inside the window: not a window
     assert "not the causal mask" in causal_mask_problem(holes, pos, s)
     assert "shape" in causal_mask_problem(causal[..., :-1], pos, s)
+
+
+def test_alibi_mask_check():
+    """ALiBi: slope[h] * (key - query) on the visible keys, up to a constant per row (MPT's
+    bias is 0 at the last key, BLOOM's at the first): the slopes come out per head; a
+    bias that is not linear in the distance, or ALiBi with padding, is refused."""
+    from edgetvm.region_ops import mask_bias
+    pos, s, heads = 30, 4, 3
+    q = pos + np.arange(s)[:, None]
+    k = np.arange(pos + s)[None, :]
+    slopes = np.array([0.5, 0.125, 0.0])[:, None, None]
+    hidden = np.float32(-3.4e38)
+    mpt = np.where(k <= q, slopes * (k - (pos + s - 1)), hidden)[None]
+    bloom = np.where(k <= q, slopes * k, hidden)[None]
+    for mask in (mpt, bloom):
+        np.testing.assert_allclose(mask_bias(mask.astype(np.float32), pos, s, heads),
+                                   [0.5, 0.125, 0.0], atol=1e-6)
+    # one slope for every head broadcasts; the plain causal mask has none
+    one = np.where(k <= q, 0.25 * (k - q), hidden)[None, None]
+    np.testing.assert_allclose(mask_bias(one, pos, s, heads), [0.25] * 3)
+    assert mask_bias(np.where(k <= q, 0.0, hidden)[None, None], pos, s, heads) is None
+    # a constant per row (no slope) is the causal mask to the softmax; so is any bias on
+    # the one key of a first token
+    assert mask_bias(np.where(k <= q, -3.0 * q, hidden)[None, None], pos, s, heads) is None
+    assert mask_bias(np.full((1, heads, 1, 1), -7.0), 0, 1, heads) is None
+    # log distance, ALiBi plus padding, a hidden key too close to the visible ones
+    refused = [np.where(k <= q, -np.log1p(np.maximum(q - k, 0)), hidden)[None, None]]
+    padded = mpt.copy()
+    padded[..., 2] = hidden
+    refused.append(padded)
+    refused.append(np.where(k <= q, 0.5 * (k - q), -100.0)[None, None])
+    for mask in refused:
+        with pytest.raises(ValueError, match="not the causal mask"):
+            mask_bias(mask, pos, s, heads)
+    with pytest.raises(ValueError, match="2 heads"):
+        mask_bias(mpt[:, :2], pos, s, heads)
 
 
 @pytest.mark.parametrize("strategy", ["regions", "mega"])
