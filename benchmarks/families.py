@@ -2,8 +2,8 @@
 is right.
 
 For every tiny with-past export of tests/data (Llama, Qwen2, GPT-2, Gemma, Phi-3, GPT-NeoX,
-Granite, OPT, Falcon, Gemma-2, Gemma-3, GPT-J, Cohere, MPT, CodeGen, BLOOM; see tests/data/README.md) and any
-``--model`` given:
+Granite, OPT, Falcon, Gemma-2, Gemma-3, GPT-J, Cohere, MPT, CodeGen, BLOOM; see
+tests/data/README.md) and any ``--model`` given:
 
 - ``coverage_pct`` / ``npu_share_pct``: FLOPs in recognised regions / in regions that run
   on the NPU, over all FLOPs of a decode step at the KV capacity (``python -m

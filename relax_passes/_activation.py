@@ -60,9 +60,10 @@ def gelu_erf(u):
 
 
 #: the value each annotated activation constant must have (fp32 as exported)
-_CONSTANTS = {"tanh_half": 0.5, "tanh_one": 1.0, "tanh_one2": 1.0, "tanh_c1": math.sqrt(2 / math.pi),
-              "tanh_c2": 0.044715, "tanh_three": 3.0, "erf_half": 0.5, "erf_one": 1.0,
-              "erf_root2": math.sqrt(2), "erf_inv_root2": 1 / math.sqrt(2)}
+_CONSTANTS = {"tanh_half": 0.5, "tanh_one": 1.0, "tanh_one2": 1.0,
+              "tanh_c1": math.sqrt(2 / math.pi), "tanh_c2": 0.044715, "tanh_three": 3.0,
+              "erf_half": 0.5, "erf_one": 1.0, "erf_root2": math.sqrt(2),
+              "erf_inv_root2": 1 / math.sqrt(2)}
 
 
 def activation_constants_ok(matched: dict) -> bool:

@@ -9,14 +9,15 @@ from tvm.relax.dpl import is_const, is_op, wildcard
 from ._fusion import dtype_of, rewrite_main_functions, scalar_value, static_shape
 
 
-def static_or_symbolic(expr) -> list | None:
+#: a fill at most this low hides a key from the softmax (what the causal-mask check asks)
+HIDDEN = -1e4
+
+
+def _dims(expr) -> list | None:
     """The dims of ``expr``'s tensor type (ints or symbolic expressions), or None."""
     shape = getattr(expr.ty, "shape", None)
     values = getattr(shape, "values", None)
     return list(values) if values is not None else None
-
-#: a fill at most this low hides a key from the softmax (what the causal-mask check asks)
-HIDDEN = -1e4
 
 
 @tvm.transform.module_pass(opt_level=0, name="AdditiveAttentionMask")
@@ -36,9 +37,9 @@ class AdditiveAttentionMask:
 
     BLOOM adds its ALiBi bias to (batch * heads, seq, keys) scores, splits the heads out
     and adds the causal mask: ``reshape(scores + bias) + mask`` becomes ``reshape(scores)
-    + (reshape(bias) + mask)`` (exact: a reshape moves no element, and the bias joins the
-    mask before the scores instead of after, which fp32 rounds alike but for the hidden
-    keys, which the softmax drops).
+    + (reshape(bias) + mask)``: a reshape moves no element, and the sum is the same up
+    to fp32 rounding (exactly the same where the mask is 0; where it hides a key, both
+    are the fill, which the softmax drops).
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -66,14 +67,14 @@ class AdditiveAttentionMask:
 
         # BLOOM adds its bias to (batch * heads)-row 3-D scores, then splits the heads
         # and adds the causal mask: the bias, split alike, joins the mask
-        bias3 = wildcard()
+        bias3, mask4 = wildcard(), wildcard()
         split = is_op("relax.reshape")(is_op("relax.add")(scores, bias3), wildcard())
-        hoisted = is_op("relax.add")(split, mask4 := wildcard())
+        hoisted = is_op("relax.add")(split, mask4)
 
         def hoist(expr, m):
             s3, b3 = m[scores], m[bias3]
             shape = m[split].ty.shape
-            bs, ss = static_or_symbolic(b3), static_or_symbolic(s3)
+            bs, ss = _dims(b3), _dims(s3)
             if shape is None or bs is None or ss is None or len(bs) != 3 or len(ss) != 3 \
                     or len(shape.values) != 4 or dtype_of(b3) != dtype_of(s3):
                 return expr

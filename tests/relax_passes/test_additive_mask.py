@@ -90,7 +90,8 @@ def test_a_bias_on_3d_scores_joins_the_mask():
     args = [rng.standard_normal((B2 * H, S, D)).astype(np.float32),
             rng.standard_normal((B2 * H, D, T)).astype(np.float32),
             (np.arange(B2 * H)[:, None, None] * 0.3 * np.arange(T)).astype(np.float32),
-            np.broadcast_to(np.where(causal, 0.0, -3.4e38).astype(np.float32), (B2, 1, S, T)).copy()]
+            np.broadcast_to(np.where(causal, 0.0, -3.4e38).astype(np.float32),
+                            (B2, 1, S, T)).copy()]
     new = AdditiveAttentionMask()(mod)
     x = _softmax_input(new)
     binds = {b.var: b.value for blk in new["main"].body.blocks for b in blk.bindings}
