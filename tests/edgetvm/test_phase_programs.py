@@ -534,6 +534,28 @@ def test_kv_capacity_bounded_by_a_learned_position_table():
         ModelCompiler(str(_path("gpt2")), max_tokens=rows + 1, max_rows=16)
     # RoPE models look nothing up by position: the default capacity stands
     assert ModelCompiler(str(_path("llama")), max_rows=16).max_tokens == 1024
+    # MPT slices its ALiBi bias from a table of max_seq_len (256) positions by the length
+    # (alibi[..., 256 - kv_len:]): a longer cache would slice before the table's start
+    assert ModelCompiler(str(_path("mpt")), max_rows=16).max_tokens == 256
+    with pytest.raises(BuildError, match="table of 256 rows"):
+        ModelCompiler(str(_path("mpt")), max_tokens=257, max_rows=16)
+
+
+def test_an_alibi_bias_that_changes_with_the_length_is_refused(monkeypatch):
+    # ALiBi's slopes are the model's: a bias whose slopes differ from one evaluated length
+    # to the next is some other position bias, which one set of slopes would answer wrongly
+    import edgetvm.build.positions as positions
+    from edgetvm.build.graph import BuildError
+
+    real = positions.mask_bias
+
+    def drifting(mask, past, new, heads):
+        slopes = real(mask, past, new, heads)
+        return None if slopes is None else slopes * (1 + past)
+    monkeypatch.setattr(positions, "mask_bias", drifting)
+    mc = ModelCompiler(str(_path("mpt")), max_tokens=MAX_TOKENS, max_rows=16)
+    with pytest.raises(BuildError, match="changes with the length"):
+        mc.graph("decode", 1, 1)
 
 
 def test_edgellm_keeps_the_faster_whole_program(monkeypatch):
