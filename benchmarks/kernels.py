@@ -135,7 +135,8 @@ def _attention_bench(model, heads, tokens, rng, prefill: bool, spec) -> Bench:
     kv_tiles = [t for t in kv_tile_candidates(16, tokens) if t <= 256]
     if prefill:
         space = {"tile_q": [t for t in (32, 64, 128) if t <= tokens], "tile_kv": kv_tiles,
-                 "slots_kv": [1, 2], "slots_s": [1, 2], "rowsum_mma": [0, 1]}
+                 "slots_kv": [1, 2], "slots_s": [1, 2], "rowsum_mma": [0, 1],
+                 "list_schedule": [0, 1]}
         macs = hq * d * tokens * (tokens + 1)          # QK^T and PV below the diagonal
 
         def build(kn):
@@ -143,7 +144,8 @@ def _attention_bench(model, heads, tokens, rng, prefill: bool, spec) -> Bench:
                                   .mod["main"], spec, "prefill_attention", outputs=["out"],
                                   max_ops=MAX_OPS, **ATTENTION_LOWERING)
     else:
-        space = {"tile_kv": kv_tiles, "slots_kv": [1, 2], "slots_s": [1, 2]}
+        space = {"tile_kv": kv_tiles, "slots_kv": [1, 2], "slots_s": [1, 2],
+                 "list_schedule": [0, 1]}
         params["valid_len"] = tokens
         ref = ref[0]
         macs = 2 * hq * d * tokens

@@ -80,7 +80,9 @@ equal at SmolLM2's shapes; in prefill 2 is the software pipeline above, 1 the pl
 in less TCM); prefill adds ``tile_q`` and
 ``rowsum_mma`` (1: the row sums on the matrix unit; 0: on the vector unit, fewer cycles of
 the 900 mW matrix unit for more of the 250 mW vector unit: under a binding power budget
-the slower kernel may be the faster step).
+the slower kernel may be the faster step). Both take ``list_schedule`` (1: the lowering
+reorders each unit's ops for overlap within their dependencies, ``target/lowering/
+reorder.py``; 0, and a knob set from before it: the loop nest's order).
 
 Layouts: decode ``q, out (Hq, D)``; prefill ``q, out (C, Hq, D)`` token-major (the
 projection's layout); inside, Q is re-laid out head-major in TCM by one vector copy per
@@ -97,8 +99,11 @@ from tvm import s_tir, tirx
 from .common import TileKernel, apply_annotations, knob
 from .kv_cache import KVCacheLayout
 
-DECODE_KNOBS = ("tile_kv", "slots_kv", "slots_s")
-PREFILL_KNOBS = ("tile_q", "tile_kv", "slots_kv", "slots_s", "rowsum_mma")
+#: knobs added after logs were written, and the value a knob set without one lowers with
+#: (as it was lowered before the knob existed): a log's old records replay unchanged
+KNOBS_SINCE = {"list_schedule": 0}
+DECODE_KNOBS = ("tile_kv", "slots_kv", "slots_s", "list_schedule")
+PREFILL_KNOBS = ("tile_q", "tile_kv", "slots_kv", "slots_s", "rowsum_mma", "list_schedule")
 
 #: the templates' revisions, part of their kernels' structural keys: bumped when the
 #: program lowered for given knobs changes, so a tuning log's records of an earlier revision
@@ -646,33 +651,37 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
     return kb
 
 
-def _schedule(kb, knobs):
+def _schedule(kb, knobs, list_schedule: int = 0):
     sch = s_tir.Schedule(tvm.IRModule({"main": kb.func()}))
     for name, value in knobs:
         knob(sch, value, [value], name)        # recorded in the trace: replay re-applies it
     apply_annotations(sch, kb.ops)
+    if list_schedule:
+        sch.annotate(sch.get_sblock("root"), "npu.list_schedule", 1)
     return sch
 
 
 def schedule_decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, spec, *,
                               tile_kv: int, slots_kv: int = 2, slots_s: int = 1, scale=None,
-                              alibi: bool = False):
+                              alibi: bool = False, list_schedule: int = 0):
     """The scheduled decode attention kernel; lower with ``**ATTENTION_LOWERING``."""
     kb = decode_attention(layout, q_heads, max_pages, tile_kv=tile_kv, slots_kv=slots_kv,
                           slots_s=slots_s, scale=scale, channels=spec.dma_channels,
                           alibi=alibi)
-    return _schedule(kb, (("tile_kv", tile_kv), ("slots_kv", slots_kv), ("slots_s", slots_s)))
+    return _schedule(kb, (("tile_kv", tile_kv), ("slots_kv", slots_kv), ("slots_s", slots_s),
+                          ("list_schedule", list_schedule)), list_schedule)
 
 
 def schedule_prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, spec, *,
                                tile_q: int, tile_kv: int, slots_kv: int = 2, slots_s: int = 1,
                                rowsum_mma: int = 1, chunked: bool = False,
                                max_pages: int | None = None, scale=None,
-                               alibi: bool = False):
+                               alibi: bool = False, list_schedule: int = 0):
     """The scheduled prefill attention kernel; lower with ``**ATTENTION_LOWERING``."""
     kb = prefill_attention(layout, q_heads, tokens, tile_q=tile_q, tile_kv=tile_kv,
                            slots_kv=slots_kv, slots_s=slots_s, rowsum_mma=rowsum_mma,
                            chunked=chunked, max_pages=max_pages, scale=scale,
                            channels=spec.dma_channels, alibi=alibi)
     return _schedule(kb, (("tile_q", tile_q), ("tile_kv", tile_kv), ("slots_kv", slots_kv),
-                          ("slots_s", slots_s), ("rowsum_mma", rowsum_mma)))
+                          ("slots_s", slots_s), ("rowsum_mma", rowsum_mma),
+                          ("list_schedule", list_schedule)), list_schedule)

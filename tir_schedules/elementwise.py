@@ -21,24 +21,28 @@ from .fused import KNOBS_SINCE, schedule_cluster
 #: knob names in sampling order: ``fused.knob_names(func)`` (one ``slots_<input>`` per input),
 #: e.g. these for ``workloads.silu_mul`` and ``workloads.rope``
 SILU_MUL_KNOBS = ("tile_m", "tile_n", "slots_g", "slots_u", "slots_out", "dma_split",
-                  "tcm_fresh")
+                  "tcm_fresh", "list_schedule")
 ROPE_KNOBS = ("tile_m", "slots_x", "slots_cos", "slots_sin", "slots_out", "dma_split",
-              "tcm_fresh")
+              "tcm_fresh", "list_schedule")
 
 
 def schedule_elementwise(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=None,
-                         dma_split=None, tcm_fresh=KNOBS_SINCE["tcm_fresh"]):
+                         dma_split=None, tcm_fresh=KNOBS_SINCE["tcm_fresh"],
+                         list_schedule=KNOBS_SINCE["list_schedule"]):
     """Schedule ``workloads.silu_mul`` / ``gelu`` / ``residual_add`` in place.
 
     ``slots_in``: one value for every input or a dict input name -> value;
-    ``tcm_fresh``: as ``fused.schedule_cluster``'s."""
+    ``tcm_fresh``, ``list_schedule``: as ``fused.schedule_cluster``'s."""
     return schedule_cluster(sch, tile_m=tile_m, tile_n=tile_n, slots_in=slots_in,
-                            slots_out=slots_out, dma_split=dma_split, tcm_fresh=tcm_fresh)
+                            slots_out=slots_out, dma_split=dma_split, tcm_fresh=tcm_fresh,
+                            list_schedule=list_schedule)
 
 
 def schedule_rope(sch, *, tile_m=None, slots_x=None, slots_cs=None, slots_out=None,
-                  dma_split=None, tcm_fresh=KNOBS_SINCE["tcm_fresh"]):
+                  dma_split=None, tcm_fresh=KNOBS_SINCE["tcm_fresh"],
+                  list_schedule=KNOBS_SINCE["list_schedule"]):
     """Schedule ``workloads.rope`` in place (``slots_cs``: the cos/sin tiles)."""
     return schedule_cluster(sch, tile_m=tile_m, slots_in={"x": slots_x, "cos": slots_cs,
                                                           "sin": slots_cs},
-                            slots_out=slots_out, dma_split=dma_split, tcm_fresh=tcm_fresh)
+                            slots_out=slots_out, dma_split=dma_split, tcm_fresh=tcm_fresh,
+                            list_schedule=list_schedule)

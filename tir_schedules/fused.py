@@ -42,6 +42,12 @@ Knobs (sampling instructions; ``None`` samples):
     its up projection's first tile waited 18 k cycles for the gate's silu, its down
     projection's 28 k for the product). A knob set without it (a log record from before
     it) lowers as it did then: 0 (:data:`KNOBS_SINCE`);
+``list_schedule``
+    1 lets the lowering reorder each unit's ops for overlap within their dependencies
+    (root annotation ``npu.list_schedule``, ``target/lowering/reorder.py``): with
+    several row tiles the matrix unit starts tile ``r + 1``'s projection while the
+    vector unit normalises tile ``r``; 0 (and a knob set from before it) keeps the loop
+    nest's order;
 ``<stage>.tile_n``, ``<stage>.tile_k``, ``<stage>.slots_w``, ``<stage>.slots_c``
     per matmul stage: output/reduction tile, weight-tile copies, accumulator-tile copies.
 """
@@ -187,7 +193,7 @@ def _analyse(func, blocks) -> tuple:
 
 #: knobs added after logs were written, and the value a knob set without one lowers with
 #: (as it was lowered before the knob existed): a log's old records replay unchanged
-KNOBS_SINCE = {"tcm_fresh": 0}
+KNOBS_SINCE = {"tcm_fresh": 0, "list_schedule": 0}
 
 
 def knob_names(func) -> tuple:
@@ -198,7 +204,7 @@ def knob_names(func) -> tuple:
     _, _, elementwise, roles = _analyse(func, blocks)
     names = ["tile_m"] + (["tile_n"] if elementwise else [])
     names += [f"slots_{n}" for n, (role, _, _) in roles.items() if role == "row"]
-    names += ["slots_out", "dma_split", "tcm_fresh"]
+    names += ["slots_out", "dma_split", "tcm_fresh", "list_schedule"]
     for _, b in blocks:
         if _op_of(b) == "mma":
             stage = b.name_hint[:-len("_acc")]
@@ -207,14 +213,15 @@ def knob_names(func) -> tuple:
 
 
 def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=None,
-                     dma_split=None, tcm_fresh=KNOBS_SINCE["tcm_fresh"], matmul=None):
+                     dma_split=None, tcm_fresh=KNOBS_SINCE["tcm_fresh"],
+                     list_schedule=KNOBS_SINCE["list_schedule"], matmul=None):
     """Schedule a row-local PrimFunc (``FusionCluster.prim_func()`` or a
     ``workloads`` row op) in place; see the module docstring for the knobs
     (:func:`knob_names` lists them in sampling order).
 
     ``slots_in``: one value for every streamed input, or a dict name -> value;
     ``matmul``: dict stage name -> dict(tile_n=, tile_k=, slots_w=, slots_c=);
-    ``tcm_fresh``: 0 unless given (None samples it, as the others).
+    ``tcm_fresh``, ``list_schedule``: 0 unless given (None samples them, as the others).
     """
     func = sch.mod["main"]
     root = sch.get_sblock("root")
@@ -233,6 +240,7 @@ def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=
     so = knob(sch, slots_out, [1, 2], "slots_out")
     sch.annotate(root, "npu.dma_split", knob(sch, dma_split, [0, 1], "dma_split"))
     sch.annotate(root, "npu.tcm_fresh", knob(sch, tcm_fresh, [0, 1], "tcm_fresh"))
+    sch.annotate(root, "npu.list_schedule", knob(sch, list_schedule, [0, 1], "list_schedule"))
 
     # 1. TCM placement: inputs DMA'd in, intermediates in TCM, outputs staged in TCM
     loads = {}                                   # load block name -> (param, role)

@@ -20,15 +20,17 @@ from __future__ import annotations
 from .fused import KNOBS_SINCE, schedule_cluster
 
 #: knob names in sampling order (``search.knob_space``)
-KNOBS = ("tile_m", "slots_x", "slots_out", "dma_split", "tcm_fresh")
+KNOBS = ("tile_m", "slots_x", "slots_out", "dma_split", "tcm_fresh", "list_schedule")
 
 
 def schedule_row_norm(sch, *, tile_m=None, slots_x=None, slots_out=None, dma_split=None,
-                      tcm_fresh=KNOBS_SINCE["tcm_fresh"]):
+                      tcm_fresh=KNOBS_SINCE["tcm_fresh"],
+                      list_schedule=KNOBS_SINCE["list_schedule"]):
     """Schedule ``workloads.rms_norm`` / ``layer_norm`` / ``softmax`` in place
-    (``tcm_fresh``: as ``fused.schedule_cluster``'s)."""
+    (``tcm_fresh``, ``list_schedule``: as ``fused.schedule_cluster``'s)."""
     return schedule_cluster(sch, tile_m=tile_m, slots_in={"x": slots_x}, slots_out=slots_out,
-                            dma_split=dma_split, tcm_fresh=tcm_fresh)
+                            dma_split=dma_split, tcm_fresh=tcm_fresh,
+                            list_schedule=list_schedule)
 
 
 schedule_rms_norm = schedule_row_norm

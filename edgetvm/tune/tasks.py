@@ -42,6 +42,7 @@ from edgetvm.build.cuts import cuts_of, forced_cuts, groups_of, joinable, run_ke
 from edgetvm.build.graph import BuildError
 from edgetvm.build.kernels import cluster_key, cluster_matmuls, cluster_rows, stage_cluster
 from edgetvm.errors import CandidateRejected
+from edgetvm.tir_schedules.attention import KNOBS_SINCE as ATTENTION_KNOBS_SINCE
 from edgetvm.tir_schedules.attention import kv_tile_candidates
 from edgetvm.tir_schedules.common import tile_candidates
 from edgetvm.tir_schedules.fused import KNOBS_SINCE, ROW_TILES, knob_names, schedule_cluster
@@ -173,7 +174,7 @@ class Task:
     def flatten(self, knobs: dict) -> dict:
         """The flat form (names of :attr:`space`) of a knob set."""
         if self.kind != "cluster":
-            return {k: knobs.get(k) for k in self.space}
+            return {k: knobs.get(k, ATTENTION_KNOBS_SINCE.get(k)) for k in self.space}
         return flat_cluster_knobs(self.space, knobs)
 
     def to_point(self, knobs: dict) -> dict | None:
@@ -239,7 +240,7 @@ def cluster_space(cluster) -> tuple:
     func = cluster.prim_func()
     names = knob_names(func)
     probe = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
-    schedule_cluster(probe, tcm_fresh=None)
+    schedule_cluster(probe, tcm_fresh=None, list_schedule=None)
     space = knob_space(probe, names)
     matmuls = cluster_matmuls(cluster)
     shape = dict(rows=cluster_rows(cluster), matmuls=matmuls,
@@ -251,8 +252,16 @@ def cluster_space(cluster) -> tuple:
                  const_bytes=sum(int(np.prod(s)) * np.dtype(d).itemsize
                                  for n, (s, d) in cluster.tensors.items()
                                  if n in cluster.consts),
-                 out_bytes=0)
+                 out_bytes=0, row_stages=_row_stages(cluster))
     return space, shape
+
+
+def _row_stages(cluster) -> list:
+    """(op, columns of its result) of each stage of ``cluster`` that is not a matmul: the
+    vector unit's own work per row (the cost model's prior)."""
+    env = cluster._graph()
+    return [(st.op, int(env[st.output].shape[-1])) for st in cluster.stages
+            if not st.op.startswith("linear")]
 
 
 def template_space(kind: str, graph, op, layout) -> tuple:
@@ -270,6 +279,7 @@ def template_space(kind: str, graph, op, layout) -> tuple:
                  slots_s=[1, 2])
     if kind == "prefill_attention":
         space["rowsum_mma"] = [0, 1]
+    space["list_schedule"] = [0, 1]
     return space, dict(rows=graph.rows, capacity=cap, q_heads=op.attrs["q_heads"],
                        kv_heads=layout.kv_heads, head_dim=layout.head_dim)
 

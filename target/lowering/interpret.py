@@ -23,7 +23,9 @@ valid length is skipped; a DMA moves only the valid rows unless ``"npu.valid_who
 must all hold as well (a causal mask only on the tiles the diagonal crosses).
 Root block annotation ``"npu.tcm_fresh"``: 1 gives every TCM buffer bytes no other buffer
 uses while they all fit (``tcm_alloc.plan_tcm``), 0 (and no annotation) lets buffers that
-are never live at once share bytes.
+are never live at once share bytes. Root block annotation ``"npu.list_schedule"``: 1
+reorders the ops for overlap within their dependencies (``reorder.list_schedule``), 0
+(and no annotation) keeps the loop nest's order.
 """
 from __future__ import annotations
 
@@ -131,6 +133,7 @@ class Interpreter:
         self.scalars: dict = {}   # var_key(scalar parameter) -> Affine runtime parameter
         self.dma_split = False    # root block "npu.dma_split": stores get their own channel
         self.tcm_fresh = False    # root block "npu.tcm_fresh": TCM bytes of its own per buffer
+        self.list_schedule = False  # root block "npu.list_schedule": reorder for overlap
         for p in func.params:          # TVM 0.27: buffer params are Vars of BufferType
             if isinstance(p.ty, BufferType):
                 self.buffers[p] = "runtime" if p.name in self.exprs.runtime else "param"
@@ -175,6 +178,8 @@ class Interpreter:
                 self.dma_split = bool(_ann(block.annotations, "npu.dma_split"))
             if "npu.tcm_fresh" in block.annotations:
                 self.tcm_fresh = bool(_ann(block.annotations, "npu.tcm_fresh"))
+            if "npu.list_schedule" in block.annotations:
+                self.list_schedule = bool(_ann(block.annotations, "npu.list_schedule"))
             for buf in block.alloc_buffers:
                 self.buffers[buf] = "tcm" if buf.scope() == TCM_SCOPE else "dram_scratch"
             for iv, val in zip(block.iter_vars, stmt.iter_values):

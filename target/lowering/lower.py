@@ -5,8 +5,10 @@ The pipeline, in order (each step is a small module):
 1. ``interpret``: run the loop structure, one :class:`TileOp` per ``npu.op`` loop nest;
 2. ``tcm_alloc``: compact TCM buffers to their footprints, slots, place them by lifetime
    (reject the candidate if they do not fit);
-3. ``sync``: the events every op must wait on (RAW, WAR, WAW across units);
-4. emission (here): concrete TCM addresses, DRAM windows, one or more ISA commands per op.
+3. ``reorder`` (when the schedule asks for it): the order each unit runs its ops in,
+   list-scheduled for overlap within the ops' byte dependencies;
+4. ``sync``: the events every op must wait on (RAW, WAR, WAW across units);
+5. emission (here): concrete TCM addresses, DRAM windows, one or more ISA commands per op.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from edgetvm.errors import CandidateRejected
 from ..builder import ProgramBuilder
 from ..isa import VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector
 from .interpret import Interpreter
+from .reorder import estimated_cycles, list_schedule
 from .sync import insert_events
 from .tcm_alloc import locate, plan_tcm, row_major_strides
 
@@ -69,6 +72,9 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     tcm, tcm_bytes = plan_tcm(ops, kinds, spec, fresh=interp.tcm_fresh,
                               instance_depth={str(k): int(v) for k, v in (inst or {}).items()})
     units = _assign_units(ops, kinds, spec, interp.dma_split)
+    if interp.list_schedule:
+        ops = list_schedule(ops, units, kinds, tcm, lambda op: estimated_cycles(
+            _commands(op, units[op.index], kinds, tcm), spec))
     waits, signals = insert_events(ops, units, kinds, tcm)
 
     b = ProgramBuilder(name, spec)

@@ -16,7 +16,9 @@ from ..isa import Affine
 from .tcm_alloc import locate
 
 
-def _accesses(op, kinds, tcm):
+def accesses(op, kinds, tcm):
+    """(key, lo, hi, write) of each access of ``op``: key ``("tcm", buffer, slot)`` with
+    footprint-relative coordinates, or ``("dram", tensor)``."""
     out = []
     for write, boxes in ((False, op.reads), (True, op.writes)):
         for box in boxes:
@@ -32,7 +34,8 @@ def _accesses(op, kinds, tcm):
     return out
 
 
-def _overlap(lo1, hi1, lo2, hi2) -> bool:
+def overlap(lo1, hi1, lo2, hi2) -> bool:
+    """Whether two boxes may overlap (runtime coordinates: assume they do)."""
     for a, b, c, d in zip(lo1, hi1, lo2, hi2):
         if any(isinstance(x, Affine) for x in (a, b, c, d)):
             continue        # runtime-parameter coordinates: assume they may overlap
@@ -46,7 +49,7 @@ def _slot_range(tb, slot) -> tuple:
     return base, base + tb.slot_bytes
 
 
-def _earlier_sharers(tcm: dict) -> dict:
+def earlier_sharers(tcm: dict) -> dict:
     """(buffer, slot) -> the (buffer, slot)s of buffers dead before it that share its bytes."""
     out: dict = {}
     for b in tcm.values():
@@ -59,8 +62,10 @@ def _earlier_sharers(tcm: dict) -> dict:
 
 
 def insert_events(ops, units: dict, kinds: dict, tcm: dict):
-    """Returns (waits, signals): op index -> list of event ids."""
-    sharers = _earlier_sharers(tcm)
+    """Returns (waits, signals): op index -> list of event ids. ``ops`` is in program
+    order, which need not be index order (``reorder.list_schedule``): the clocks count
+    positions in the list."""
+    sharers = earlier_sharers(tcm)
     last_use: dict = {}     # (buffer, slot) -> {unit: (last access op, last write op)}
     names = sorted(set(units.values()))
     known = {u: {v: -1 for v in names} for u in names}
@@ -69,13 +74,14 @@ def insert_events(ops, units: dict, kinds: dict, tcm: dict):
     waits = {op.index: [] for op in ops}
     signals = {op.index: [] for op in ops}
     n_events = 0
+    index_at = [op.index for op in ops]      # position in the program -> op index
     for count, op in enumerate(ops):
         u = units[op.index]
-        acc = _accesses(op, kinds, tcm)
+        acc = accesses(op, kinds, tcm)
         need: dict = {}
         for key, lo, hi, write in acc:
             for p, pu, plo, phi, pw in history.get(key, ()):
-                if pu != u and (write or pw) and _overlap(lo, hi, plo, phi):
+                if pu != u and (write or pw) and overlap(lo, hi, plo, phi):
                     if p > need.get(pu, -1):
                         need[pu] = p
         slots = [(key[1], key[2], write) for key, _, _, write in acc if key[0] == "tcm"]
@@ -89,20 +95,20 @@ def insert_events(ops, units: dict, kinds: dict, tcm: dict):
         for pu, p in sorted(need.items(), key=lambda x: -x[1]):
             if k[pu] >= p:
                 continue
-            signals[p].append(n_events)
+            signals[index_at[p]].append(n_events)
             waits[op.index].append(n_events)
             n_events += 1
             for v, x in done_known[p].items():
                 if x > k[v]:
                     k[v] = x
-        k[u] = op.index
+        k[u] = count
         known[u] = k
-        done_known[op.index] = k
+        done_known[count] = k
         for key, lo, hi, write in acc:
-            history.setdefault(key, []).append((op.index, u, lo, hi, write))
+            history.setdefault(key, []).append((count, u, lo, hi, write))
         for name, slot, write in slots:
             use = last_use.setdefault((name, slot), {})
-            use[u] = (op.index, op.index if write else use.get(u, (-1, -1))[1])
+            use[u] = (count, count if write else use.get(u, (-1, -1))[1])
         if count % 64 == 63:
             floor = {v: min(known[w][v] for w in names) for v in names}
             for key, lst in history.items():

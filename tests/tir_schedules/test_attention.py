@@ -255,6 +255,63 @@ def test_chunked_prefill_attention(spec, shape, chunk, max_pages, positions, row
     _check_row_sums(prog, hq * (chunk // 16) * (max_pages * P // 32), rowsum_mma)
 
 
+# -- list scheduling ----------------------------------------------------------------------
+def _no_sync(cmd):
+    return repr(dataclasses.replace(cmd, wait=(), signal=()))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_list_scheduled_prefill_attention_is_the_same_kernel_in_another_order(spec, chunked):
+    """``list_schedule=1``: the same commands, each unit's queue reordered within the
+    ops' byte dependencies (the score slots, the K/V tiles, the running max and sum per
+    head): outputs equal to numpy and bit-identical to the loop nest's order, at two
+    chunk positions (predicated tiles) when chunked."""
+    shape, tokens, max_pages = SMOLLM2, 64, 8
+    hq, hk, d = shape
+    kw = dict(tile_q=16, tile_kv=32, slots_kv=2, slots_s=2, chunked=chunked)
+    if not chunked:
+        max_pages = tokens // P
+    progs = {ls: _prefill_program(spec, shape, tokens, max_pages, list_schedule=ls, **kw)
+             for ls in (0, 1)}
+    lay, plain, k, v, pages = progs[0]
+    listed = progs[1][1]
+    assert sorted(map(_no_sync, listed.commands)) == sorted(map(_no_sync, plain.commands))
+    assert list(map(_no_sync, listed.commands)) != list(map(_no_sync, plain.commands))
+    q = np.random.default_rng(6).standard_normal((tokens, hq, d)).astype(np.float16)
+    for pos in ((0, 32) if chunked else (0,)):
+        length = pos + tokens
+        params = lay.page_table_params(pages, max_pages)
+        if chunked:
+            params = {**params, "pos": pos, "valid_len": length}
+        outs = [Emulator(spec).run(p, {"K_cache": k, "V_cache": v, "q": q},
+                                   params=params).outputs["out"] for p in (plain, listed)]
+        ref = _attention_ref(q, gather_reference(k, pages, length),
+                             gather_reference(v, pages, length), pos, hq // hk)
+        _close(outs[1], ref)
+        np.testing.assert_array_equal(outs[1], outs[0])
+
+
+def test_list_scheduled_decode_attention_matches(spec):
+    hq, hk, d = SMOLLM2
+    lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=8, page_tokens=P)
+    k, v, pages = _cache(lay, seed=2)
+    q = np.random.default_rng(7).standard_normal((hq, d)).astype(np.float16)
+    length = 100
+    outs = []
+    for ls in (0, 1):
+        sch = schedule_decode_attention(lay, hq, 8, spec, tile_kv=32, slots_kv=2, slots_s=2,
+                                        list_schedule=ls)
+        prog = lower_primfunc(sch.mod["main"], spec, "decode_attention", outputs=["out"],
+                              **ATTENTION_LOWERING)
+        params = {**lay.page_table_params(pages, 8), "valid_len": length}
+        outs.append(Emulator(spec).run(prog, {"K_cache": k, "V_cache": v, "q": q},
+                                       params=params).outputs["out"])
+    ref = _attention_ref(q[None], gather_reference(k, pages, length),
+                         gather_reference(v, pages, length), length - 1, hq // hk)[0]
+    _close(outs[1], ref)
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
 # -- ALiBi --------------------------------------------------------------------------------
 def _slopes(hq):
     """Press et al.'s slopes for ``hq`` heads (2^(-8 h / hq)), shuffled so a bias taken

@@ -162,15 +162,13 @@ def test_random_knob_samples_lower_and_match(op):
     names = fused.knob_names(func)
     # row ops tile rows only; 2-D elementwise ops also tile columns; one slots knob per
     # streamed input
-    row = ("tile_m", "slots_x", "slots_out", "dma_split", "tcm_fresh")
+    tail = ("slots_out", "dma_split", "tcm_fresh", "list_schedule")
+    row = ("tile_m", "slots_x") + tail
     expected = {"rms_norm": row, "layer_norm": row, "softmax": row,
-                "silu_mul": ("tile_m", "tile_n", "slots_g", "slots_u", "slots_out", "dma_split",
-                             "tcm_fresh"),
-                "gelu": ("tile_m", "tile_n", "slots_x", "slots_out", "dma_split", "tcm_fresh"),
-                "add": ("tile_m", "tile_n", "slots_a", "slots_b", "slots_out", "dma_split",
-                        "tcm_fresh"),
-                "rope": ("tile_m", "slots_x", "slots_cos", "slots_sin", "slots_out",
-                         "dma_split", "tcm_fresh")}
+                "silu_mul": ("tile_m", "tile_n", "slots_g", "slots_u") + tail,
+                "gelu": ("tile_m", "tile_n", "slots_x") + tail,
+                "add": ("tile_m", "tile_n", "slots_a", "slots_b") + tail,
+                "rope": ("tile_m", "slots_x", "slots_cos", "slots_sin") + tail}
     assert names == expected[op]
     assert norm.KNOBS == row and elementwise.SILU_MUL_KNOBS == expected["silu_mul"]
     assert elementwise.ROPE_KNOBS == expected["rope"]
