@@ -5,8 +5,8 @@ Features are computed from a candidate's knobs and its task's shapes, without lo
 lowered and measured): DRAM bytes per level (activations, weights re-read per row tile,
 outputs), DMA count and mean DMA size (bursts), the TCM footprint of the tiles and their
 buffering slots (and its share of the TCM), tile counts, MACs and arithmetic intensity,
-the pipeline depth (slots), the DMA split and whether TCM buffers share bytes
-(``tcm_fresh``). For a run's cuts (a partition task): the
+the pipeline depth (slots), the DMA split, whether TCM buffers share bytes
+(``tcm_fresh``) and whether the units' order is list-scheduled (``list_schedule``). For a run's cuts (a partition task): the
 activation bytes the cuts send through DRAM, the number of kernels, and the largest
 cluster's weights against the TCM. MetaSchedule's per-store features know
 nothing of TCM, DMA or power, so its ``XGBModel`` feature extractor does not apply; the
@@ -47,7 +47,7 @@ FEATURES = (
     "log_tile_q", "log_tile_kv", "kv_tiles", "slots_kv", "slots_s", "rowsum_mma",
     "clusters", "log_cut_bytes", "max_cluster_ops", "max_cluster_w_frac", "mm_clusters",
     "log_est_mma", "log_est_wdma", "log_est_act", "log_est_vec", "log_est_serial",
-    "log_est_overlap", "prior", "tile_m_frac", "tcm_fresh",
+    "log_est_overlap", "prior", "tile_m_frac", "tcm_fresh", "list_schedule",
 ) + tuple(f"mm{i}_{k}" for i in range(4) for k in (
     "log_tile_n", "log_tile_k", "tile_n_frac", "tile_k_frac", "slots_w", "slots_c")
 ) + tuple(f"kind_{k}" for k in KINDS)
@@ -66,16 +66,41 @@ def _splits(extent: int, tile: int) -> list:
     return [(tile, full)] + ([(rem, 1)] if rem else [])
 
 
+#: vector passes (in units of one elementary pass's cycles, the preset's ``add``) per row
+#: pass of a cluster's non-matmul stages, from their vector ops (a norm: square, sum,
+#: scale, gain; SiLU and the product; ...): a prior, the emulator decides
+STAGE_VECTOR_OPS = {
+    "rms_norm": ("mul", "reduce_sum", "mul", "mul"),
+    "layer_norm": ("reduce_sum", "sub", "mul", "reduce_sum", "mul", "mul", "add"),
+    "silu_mul": ("silu", "mul"), "gelu_mul": ("gelu", "mul"), "gelu": ("gelu",),
+    "relu": ("max",), "rope": ("rope",), "add": ("add",), "bias_add": ("add",),
+    "mul_vec": ("mul",), "scale": ("mul",), "copy": ("copy",),
+    "softmax": ("reduce_max", "sub", "exp", "reduce_sum", "div"),
+}
+
+
+def _row_vector_cycles(sh: dict, spec) -> float:
+    """Vector cycles per row of a cluster's non-matmul stages."""
+    total = 0.0
+    for op, cols in sh.get("row_stages", ()):
+        passes = -(-cols // spec.vector_lanes)
+        total += passes * sum(spec.vector_op_cycles.get(v, 1)
+                              for v in STAGE_VECTOR_OPS.get(op, ("add",)))
+    return total
+
+
 def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
     """Unit cycles of a fusion cluster's knob set from its shapes and the spec's
     per-command costs, without lowering: the matrix unit (every MMA padded to whole
     native tiles, plus its issue cycles; a W4A16 MMA bounded by its dequantisation rate),
     the weight DMAs (bytes over the bus plus a set-up per transfer), the activations'
-    and outputs' DMAs, the accumulator casts on the vector unit; and two latencies from
-    them, each with the kernel's launch: ``serial`` (no unit overlaps another) and
-    ``overlap`` (each matmul's weight stream hidden under its MMAs where it has two
-    weight slots, the activations' under the compute where they have two slots). The
-    emulator decides; this only tells the cost model where to start (its prior)."""
+    and outputs' DMAs, the vector unit (the accumulator casts and the other stages: norms,
+    activations, RoPE); and two latencies from them, each with the kernel's launch:
+    ``serial`` (no unit overlaps another) and ``overlap`` (each matmul's weight stream
+    hidden under its MMAs where it has two weight slots, the activations' under the
+    compute where they have two slots; list-scheduled with several row tiles, the vector
+    stages of one tile under the matrix work of the others). The emulator decides; this
+    only tells the cost model where to start (its prior)."""
     rows = sh.get("rows", 1)
     tm = knobs.get("tile_m", rows)
     mt, nt, kt = spec.mma_tile
@@ -87,10 +112,16 @@ def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
     act_bytes = sum(sh["row_bytes"].values())
     est = dict(mma=0.0, wdma=0.0, act=0.0, vec=0.0, serial=float(spec.launch_cycles),
                overlap=float(spec.launch_cycles))
+    row_vec = _row_vector_cycles(sh, spec)
+    listed = knobs.get("list_schedule", 0) and tm < rows
+    matrix_side = vector_side = fill = 0.0         # over the row tiles, list-scheduled
     for m, cm in _splits(rows, tm):
         act = (act_bytes * m / rows) / bw + setup * (len(sh["row_bytes"]) + 1)
-        compute = 0.0
-        serial = act
+        stage_vec = m * row_vec
+        compute = stage_vec
+        serial = act + stage_vec
+        est["vec"] += cm * stage_vec
+        matrix_part = vector_part = 0.0
         for stage, (n, k, group) in sorted(sh["matmuls"].items()):
             kn = mm.get(stage, {})
             kind = "w4a16" if group else "fp16"
@@ -113,9 +144,17 @@ def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
             both = max(c_mma, c_dma) if kn.get("slots_w", 1) > 1 else c_mma + c_dma
             compute += both + c_vec
             serial += c_mma + c_dma + c_vec
+            matrix_part += both
+            vector_part += c_vec
         est["act"] += cm * act
         est["serial"] += cm * serial
         est["overlap"] += cm * (max(compute, act) if min(si, so) > 1 else compute + act)
+        matrix_side += cm * matrix_part
+        vector_side += cm * (vector_part + stage_vec)
+        fill = max(fill, stage_vec)
+    if listed:
+        est["overlap"] = min(est["overlap"], float(spec.launch_cycles) +
+                             max(matrix_side, vector_side) + fill)
     return est
 
 
@@ -204,6 +243,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  mean_tn_frac=tnf / nm, mean_tk_frac=tkf / nm, slots_in=si, slots_out=so,
                  slots_w=sw / nm, slots_c=sc / nm, dma_split=knobs.get("dma_split", 0),
                  tcm_fresh=knobs.get("tcm_fresh", KNOBS_SINCE["tcm_fresh"]),
+                 list_schedule=knobs.get("list_schedule", KNOBS_SINCE["list_schedule"]),
                  matmuls=len(sh["matmuls"]), w4=float(any(sh["quant"])))
         if sh["matmuls"]:
             est = cluster_estimate(sh, knobs, spec)
@@ -251,7 +291,8 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  tcm_frac=tcm / spec.tcm_bytes, log_macs=_l(macs),
                  log_intensity=_l(macs / max(1, dram)), slots_kv=knobs["slots_kv"],
                  slots_s=knobs["slots_s"],
-                 rowsum_mma=knobs.get("rowsum_mma", 1) if "tile_q" in knobs else 0)
+                 rowsum_mma=knobs.get("rowsum_mma", 1) if "tile_q" in knobs else 0,
+                 list_schedule=knobs.get("list_schedule", 0))
     return np.array([f[k] for k in FEATURES], dtype=np.float32)
 
 

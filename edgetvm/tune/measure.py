@@ -58,9 +58,11 @@ class Measurement:
         the clock at its floor (``MIN_SCALE``): the power that does not scale with the
         clock (DRAM, TCM, static) alone breaks it. A window over the limit while the
         governor still had room is its reaction time (one DVFS interval), which it then
-        corrects; its cost is in the measured cycles."""
-        return self.peak_power_mw > limit_mw and \
-            self.peak_power_mw > self.neighbours_peak_mw and \
+        corrects; its cost is in the measured cycles. Peaks compare at the tuning log's
+        precision (1 uW): a schedule whose timing equals the defaults' (another order of
+        the same float sums) is not over a limit the defaults' peak set."""
+        peak = round(self.peak_power_mw, 3)
+        return peak > round(limit_mw, 3) and peak > round(self.neighbours_peak_mw, 3) and \
             self.min_clock_scale <= MIN_SCALE + 1e-9
 
 

@@ -438,7 +438,13 @@ class Tuner:
                     pool.append(p)
         best_point = t.to_point(s.best_knobs or t.default_knobs)
         if best_point is not None:
-            grow(t.neighbours(best_point))
+            near = t.neighbours(best_point)
+            grow(near)
+            if len(t.space.get("list_schedule", ())) > 1:
+                # the order decides which tiles pay off (row tiles pipeline only when
+                # list-scheduled): the best's neighbours in the other order as well
+                grow([{**p, "list_schedule": 1 - int(p["list_schedule"] or 0)}
+                      for p in near])
         if not pool:
             return []
         self.rng.shuffle(pool)
