@@ -31,16 +31,18 @@ def _ints(text: str) -> tuple:
 @fewer_collections()
 def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
           strategy="regions", buckets=DEFAULT_BUCKETS, chunk=None, quantize=None,
-          max_tokens: int | None = None, progress: bool = True, log_dir: str | None = None
-          ) -> dict:
+          max_tokens: int | None = None, progress: bool = True, log_dir: str | None = None,
+          jobs: int | None = None) -> dict:
     """Compile ``onnx_path`` into ``output`` (model.npu); returns the manifest.
     ``max_tokens``: the KV capacity (default 1024, or fewer if the model addresses fewer
     positions); ``log_dir``: a tuning log whose best knobs per kernel and best cuts per
     run of fusable ops replace the defaults and the strategy's boundaries (refused if its
     records are of another model, spec, profile, quantization or
-    version)."""
+    version); ``jobs``: processes compiling programs side by side (default: one per
+    CPU, at most 4; the artifact does not depend on it)."""
     from edgetvm.build.compiler import ModelCompiler
     from edgetvm.build.package import write_artifact
+    from edgetvm.build.workers import compile_programs, default_jobs
 
     if not os.path.isfile(onnx_path):
         raise EdgeTVMError(f"{onnx_path}: no such file")
@@ -52,19 +54,22 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
     if log_dir is not None:
         from edgetvm.tune.log import Replay, log_context
         replay = Replay(log_dir, log_context(onnx_path, mc.spec, mc.profile, quantize))
-        mc.knobs_for = replay                 # before the first graph builds the kernels
+        mc.knobs_for = replay
         mc.set_cuts(replay.cuts_for)
     rows = tuple(b for b in asked if b <= mc.max_tokens)
     if not rows:
         raise EdgeTVMError(f"no prefill bucket fits a KV cache of {mc.max_tokens} tokens")
     keys = mc.phase_keys(rows, chunked=bool(chunk))
+    jobs = default_jobs() if jobs is None else jobs
     bar = _progress(len(keys), progress)
-    programs = {}
+    bar.set_description(f"compiling {len(keys)} programs" +
+                        (f" in {min(jobs, len(keys))} processes" if jobs > 1 else ""))
+
+    def done(key):
+        bar.set_postfix_str(f"{key[0]} {key[1]}x{key[2]}p", refresh=False)
+        bar.update(1)
     try:
-        for key in keys:
-            bar.set_description(f"compiling {key[0]} {key[1]}x{key[2]}p")
-            programs[key] = mc.program(*key)
-            bar.update(1)
+        programs, pack = compile_programs(mc, keys, jobs, on_done=done)
     finally:
         bar.close()
     g = mc.graph(*keys[-1])
@@ -85,7 +90,7 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
     }
     if replay is not None:
         manifest["tuning"] = replay.summary()
-    full = write_artifact(output, programs, manifest)
+    full = write_artifact(output, programs, manifest, pack)
     full["build_seconds"] = time.time() - t0
     return full
 
@@ -184,12 +189,17 @@ def main(argv=None) -> int:
     add_build_options(ap)
     ap.add_argument("--log", default=None, metavar="DIR",
                     help="replay the best knobs of this tuning log (python -m edgetvm.tune)")
+    ap.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+                    help="processes compiling programs side by side (default: one per CPU, "
+                         "at most 4; the artifact's bytes do not depend on it)")
     args = parse_build_args(ap, argv)
+    if args.jobs is not None and args.jobs < 1:
+        ap.error("--jobs must be >= 1")
     try:
         m = build(args.model, args.output, target=args.target, profile=args.profile,
                   strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
                   quantize=quantizer_of(args), max_tokens=args.max_tokens,
-                  progress=not args.quiet, log_dir=args.log)
+                  progress=not args.quiet, log_dir=args.log, jobs=args.jobs)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

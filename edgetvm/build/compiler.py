@@ -54,7 +54,7 @@ class ModelCompiler:
         self.strategy = strategy
         self.profile = self.spec.profile(profile).name      # an unknown profile fails here
         self._searches: dict = {}
-        self.knobs_for = knobs_for
+        self._knobs_for = knobs_for
         self.cuts_for = cuts_for
         self.prefetch = True             # cross-kernel weight prefetch (link.py)
         self.max_rows = int(max_rows)
@@ -89,6 +89,21 @@ class ModelCompiler:
         self.layout = None
         if max_tokens is None:
             self._fit_sliding_window()
+
+    @property
+    def knobs_for(self):
+        """The kernels' knobs (see the constructor); settable: from then on every kernel
+        is lowered with the new knobs (those built before are dropped)."""
+        return self._knobs_for
+
+    @knobs_for.setter
+    def knobs_for(self, knobs_for) -> None:
+        self._knobs_for = knobs_for
+        if self.layout is not None:      # a graph was built already (the sliding window)
+            self.kernels = KernelBuilder(self.spec, self.layout, knobs_for=knobs_for)
+        self._searches.clear()
+        self._partitions.clear()
+        self._linked.clear()
 
     @property
     def page_tokens(self) -> int:
@@ -191,12 +206,12 @@ class ModelCompiler:
         self._linked.clear()
 
     def program(self, phase: str, rows: int, pages: int, strategy: str | None = None,
-                groups=None):
+                groups=None, keep: bool = True):
         """The linked whole-phase program (``groups``: a partition to use instead of the
-        strategy's)."""
+        strategy's; ``keep``: kept for the next call)."""
         strategy = strategy or self.strategy
         key = (phase, rows, pages, strategy)
-        cache = groups is None
+        cache = groups is None and keep
         if cache and key in self._linked:
             return self._linked[key]
         if rows > self.max_rows:

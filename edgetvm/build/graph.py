@@ -663,7 +663,10 @@ class _Extractor:
         (shape,) = self._result_shapes(var)
         vocab, hidden = table.shape
         rows = int(np.prod(ids[0].shape))
-        t = self.const(f"r{region.index}.E", np.asarray(table, np.float16))
+        e16 = region.cache.get("E16")        # the fp16 table, converted once per model
+        if e16 is None:
+            e16 = region.cache["E16"] = np.ascontiguousarray(table, np.float16)
+        t = self.const(f"r{region.index}.E", e16)
         out = self.new_tensor(f"r{region.index}.out", (rows, hidden))
         self.ops.append(Op("embedding", f"r{region.index}", {"E": t}, {"out": out},
                            attrs={"vocab": vocab, "hidden": hidden}, region=region.index))

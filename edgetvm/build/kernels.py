@@ -132,7 +132,13 @@ class KernelBuilder:
         self.layout = layout
         self.knobs_for = knobs_for
         self._cache: dict = {}
-        self.lowered = 0
+        #: (key, knobs) of every kernel lowered and kept (a build's workers send theirs)
+        self.lowered_keys: set = set()
+
+    @property
+    def lowered(self) -> int:
+        """How many distinct kernels were lowered and kept."""
+        return len(self.lowered_keys)
 
     def kernel(self, graph: PhaseGraph, group, consumers=None, knobs: dict | None = None
                ) -> Kernel:
@@ -170,7 +176,8 @@ class KernelBuilder:
             except (BuildError, CandidateRejected) as e:
                 hit = e                      # a candidate that does not fit stays refused
             self._cache[ck] = hit
-            self.lowered += not isinstance(hit, Exception)
+            if not isinstance(hit, Exception):
+                self.lowered_keys.add(ck)
         if isinstance(hit, CandidateRejected) and replayed:
             raise BuildError(f"the logged knobs {_canonical(knobs)} of kernel {key[:80]}... "
                              f"do not lower on {self.spec.name}: {hit}")

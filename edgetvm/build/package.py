@@ -6,7 +6,7 @@ import json
 import os
 import tempfile
 import zipfile
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -30,12 +30,35 @@ def _strip_weights(program, pack: dict):
             prev = pack.get(name)
             if prev is None:
                 pack[name] = data
-            elif prev is not data and (prev.shape != data.shape or prev.dtype != data.dtype
-                                       or not np.array_equal(prev, data)):
-                raise BuildError(f"two programs carry different weights named {name!r}")
+            else:
+                check_same_weight(name, prev, data)
             t = replace(t, data=None)
         tensors[name] = t
     return replace(program, tensors=tensors)
+
+
+def check_same_weight(name: str, a: np.ndarray, b: np.ndarray) -> None:
+    """Two programs name one weight: it must be the same array."""
+    if a is not b and (a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b)):
+        raise BuildError(f"two programs carry different weights named {name!r}")
+
+
+@dataclass(frozen=True)
+class EncodedProgram:
+    """A program as the artifact stores it: its file's bytes, without weights, and its
+    line of the manifest."""
+    data: bytes
+    summary: dict
+
+
+def encode_program(program, pack: dict) -> EncodedProgram:
+    """``program`` encoded; its weights go to ``pack`` (see :func:`_strip_weights`)."""
+    prog = _strip_weights(program, pack)
+    summary = {"commands": len(prog.commands), "tcm_bytes": prog.tcm_bytes,
+               "params": len(prog.params),
+               **{k: prog.metadata[k] for k in ("strategy", "arena_bytes", "kernels")
+                  if k in prog.metadata}}
+    return EncodedProgram(program_format.dumps(prog), summary)
 
 
 def _entry(name: str, deflate: bool) -> zipfile.ZipInfo:
@@ -46,19 +69,22 @@ def _entry(name: str, deflate: bool) -> zipfile.ZipInfo:
     return info
 
 
-def write_artifact(path: str, programs: dict, manifest: dict) -> dict:
-    """Write ``programs`` (key -> Program) and their weights to ``path`` (atomically: a
-    failed build leaves any earlier file in place); ``manifest`` carries the build's
-    description (model shape, options, source hash). Returns the full manifest."""
-    pack: dict = {}
+def write_artifact(path: str, programs: dict, manifest: dict, pack: dict | None = None
+                   ) -> dict:
+    """Write ``programs`` (key -> Program, or key -> :class:`EncodedProgram` whose weights
+    are in ``pack``) and their weights to ``path`` (atomically: a failed build leaves any
+    earlier file in place); ``manifest`` carries the build's description (model shape,
+    options, source hash). Returns the full manifest."""
+    pack = {} if pack is None else pack
     files: dict = {}
     entries = []
     for key in sorted(programs):
-        prog = _strip_weights(programs[key], pack)
-        data = program_format.dumps(prog)
+        enc = programs[key]
+        if not isinstance(enc, EncodedProgram):
+            enc = encode_program(enc, pack)
         name = program_file(key)
-        files[name] = sha256(data)
-        entries.append((name, data, True, key, prog))
+        files[name] = sha256(enc.data)
+        entries.append((name, enc, key))
     blob = io.BytesIO()
     index = {}
     stored: dict = {}                 # identical bytes are stored once (a tied lm_head)
@@ -77,11 +103,8 @@ def write_artifact(path: str, programs: dict, manifest: dict) -> dict:
     full.update({
         "format": FORMAT, "format_version": FORMAT_VERSION, "edgetvm_version": __version__,
         "emulator_model": EMULATOR_MODEL_VERSION,
-        "programs": [{"key": list(key), "file": name, "commands": len(prog.commands),
-                      "tcm_bytes": prog.tcm_bytes, "params": len(prog.params),
-                      **{k: prog.metadata[k] for k in ("strategy", "arena_bytes", "kernels")
-                         if k in prog.metadata}}
-                     for name, _, _, key, prog in entries],
+        "programs": [{"key": list(key), "file": name, **enc.summary}
+                     for name, enc, key in entries],
         "weights": {"file": WEIGHTS, "bytes": len(weights), "tensors": index},
         "files": files,
     })
@@ -91,8 +114,8 @@ def write_artifact(path: str, programs: dict, manifest: dict) -> dict:
     try:
         with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w") as z:
             z.writestr(_entry(MANIFEST, True), body, compresslevel=6)
-            for name, data, deflate, _, _ in entries:
-                z.writestr(_entry(name, deflate), data, compresslevel=6)
+            for name, enc, _ in entries:
+                z.writestr(_entry(name, True), enc.data, compresslevel=6)
             z.writestr(_entry(WEIGHTS, False), weights)
         umask = os.umask(0)
         os.umask(umask)

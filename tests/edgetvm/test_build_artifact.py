@@ -23,7 +23,7 @@ OPTIONS = dict(buckets=(8, 16), max_tokens=64, progress=False)
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     path = tmp_path_factory.mktemp("art") / "llama.npu"
-    build(LLAMA, str(path), **OPTIONS)
+    build(LLAMA, str(path), **OPTIONS, jobs=2)      # programs compiled in two processes
     return path
 
 
@@ -54,9 +54,31 @@ def test_artifact_runs_token_exact_and_loads_nothing_but_its_own_files(artifact)
 
 
 def test_building_twice_gives_identical_bytes(artifact, tmp_path):
-    again = tmp_path / "again.npu"
-    build(LLAMA, str(again), **OPTIONS)
-    assert again.read_bytes() == artifact.read_bytes()
+    """Serially or in three processes (each lowering the kernels it meets, sending the
+    weights it has not sent): the bytes of the two-process build, manifest included."""
+    for jobs in (1, 3):
+        again = tmp_path / f"again{jobs}.npu"
+        build(LLAMA, str(again), **OPTIONS, jobs=jobs)
+        assert again.read_bytes() == artifact.read_bytes(), jobs
+
+
+def test_an_error_in_a_worker_is_the_builds_error_and_writes_nothing(
+        artifact, tmp_path, monkeypatch):
+    from edgetvm.build.compiler import ModelCompiler
+    from edgetvm.build.graph import BuildError
+    link = ModelCompiler.link
+
+    def failing(self, graph, groups, name, **kw):   # inherited by the forked workers
+        if name == "prefill_16x2p":
+            raise BuildError("no kernel for op 7 of prefill_16x2p")
+        return link(self, graph, groups, name, **kw)
+    monkeypatch.setattr(ModelCompiler, "link", failing)
+    out = tmp_path / "x.npu"
+    out.write_bytes(b"an earlier build")
+    with pytest.raises(BuildError, match="op 7 of prefill_16x2p"):
+        build(LLAMA, str(out), **OPTIONS, jobs=2)
+    assert out.read_bytes() == b"an earlier build"
+    assert not list(tmp_path.glob(".model-*"))
 
 
 def _rewrite(src, dst, edit):

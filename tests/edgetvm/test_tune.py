@@ -85,6 +85,23 @@ def test_knob_overrides_lower_the_given_knobs_on_the_build_path(mc):
         mc.kernels.kernel(g, att, knobs=dict(tile_q=8, tile_kv=24, slots_kv=1, slots_s=1))
 
 
+def test_knobs_set_after_the_first_graph_still_reach_every_kernel(mc):
+    """``build --log`` sets the replay on a compiler that has built a graph already (the
+    sliding-window probe of a default KV capacity builds the largest decode graph in the
+    constructor): the replayed knobs must reach the kernels all the same."""
+    g, grp = _mlp(mc)
+    knobs = json.loads(json.dumps(mc.kernels.kernel(g, grp).knobs))
+    knobs["tile_m"] = 4
+    fresh = ModelCompiler(LLAMA, max_rows=16)            # default capacity: probes a graph
+    assert fresh.layout is not None
+    key = mc.kernels.kernel(g, grp).key
+    asked = []
+    fresh.knobs_for = lambda k: asked.append(k) or (knobs if k == key else None)
+    g2 = fresh.graph("prefill", 16, 1)
+    k = fresh.kernels.kernel(g2, grp)
+    assert asked and k.knobs == knobs
+
+
 def test_knobs_over_the_tcm_are_rejected_and_replayed_ones_refused():
     d = load_spec("edge-npu-16mb").to_dict()
     d.update(tcm_bytes=32768, name="tcm-32k")
@@ -403,8 +420,8 @@ def test_the_prior_charges_the_vector_stages_and_what_list_scheduling_hides():
 def test_replay_builds_identical_bytes_with_the_logged_knobs_and_latency(tuned, tmp_path):
     d, rep = tuned
     a, b, plain = tmp_path / "a.npu", tmp_path / "b.npu", tmp_path / "plain.npu"
-    m = build(LLAMA, str(a), **SMALL, progress=False, log_dir=d)
-    build(LLAMA, str(b), **SMALL, progress=False, log_dir=d)
+    m = build(LLAMA, str(a), **SMALL, progress=False, log_dir=d, jobs=2)
+    build(LLAMA, str(b), **SMALL, progress=False, log_dir=d, jobs=1)   # the same manifest
     build(LLAMA, str(plain), **SMALL, progress=False)
     assert a.read_bytes() == b.read_bytes()
     assert a.read_bytes() != plain.read_bytes()
