@@ -427,8 +427,17 @@ class Tuner:
 
     def _propose(self, s, n: int) -> list:
         t = s.task
-        pool = self._affordable(t, t.sample(self.rng, max(64, 8 * n), s.seen))
-        keys = {canonical_knobs(t.to_knobs(p)) for p in pool}
+        # the task's seeds first (up to half the batch), then the model's picks
+        seeds, keys = [], set()
+        for p in self._affordable(t, t.seeds()):
+            k = canonical_knobs(t.to_knobs(p))
+            if k not in s.seen and k not in keys and len(seeds) < max(1, n // 2):
+                keys.add(k)
+                seeds.append(p)
+        n -= len(seeds)
+        pool = [p for p in self._affordable(t, t.sample(self.rng, max(64, 8 * n), s.seen))
+                if canonical_knobs(t.to_knobs(p)) not in keys]
+        keys |= {canonical_knobs(t.to_knobs(p)) for p in pool}
 
         def grow(points):
             for p in self._affordable(t, points):
@@ -445,8 +454,8 @@ class Tuner:
                 # list-scheduled): the best's neighbours in the other order as well
                 grow([{**p, "list_schedule": 1 - int(p["list_schedule"] or 0)}
                       for p in near])
-        if not pool:
-            return []
+        if not pool or n <= 0:
+            return [t.to_knobs(p) for p in seeds]
         self.rng.shuffle(pool)
         if self.model is not None and len(pool) > n:
             # ranked by the model, or by its analytic prior before it has data (a task
@@ -468,7 +477,7 @@ class Tuner:
             rest = order[n - explore:]
             chosen += self.rng.sample(rest, min(explore, len(rest)))
             pool = [pool[i] for i in chosen]
-        return [t.to_knobs(p) for p in pool[:n]]
+        return [t.to_knobs(p) for p in seeds + pool[:n]]
 
     @staticmethod
     def _affordable(t, points: list) -> list:

@@ -797,6 +797,43 @@ def test_baselines_are_measured_only_for_tasks_the_budget_tunes(tmp_path, mc):
     assert not left or min(weight[r["workload"]] for r in tuned) >= 0.5 * max(left)
 
 
+def test_a_clusters_default_ladder_is_measured_in_both_orders_before_the_models_picks(
+        tmp_path, mc):
+    """Tuner._propose: a cluster's first batches start with its seeds, the build's default
+    knob sets per row tile (16 rows, then 8, ...) in either order, at most half a batch
+    each round, never one already measured; then the model's picks fill the batch."""
+    from edgetvm.npu_regions import default_knobs
+    t = next(t for t in extract_tasks(mc, [("prefill", 16, 1)])
+             if t.kind == "cluster" and len(t.shape["matmuls"]) >= 2)
+    seeds = t.seeds()
+    ladder = default_knobs(16, t.shape["matmuls"])
+    assert len(ladder) == 4 and [kn["tile_m"] for kn in ladder] == [16, 16, 8, 4]
+    assert sorted((p["tile_m"], p["list_schedule"]) for p in seeds) == sorted(
+        (kn["tile_m"], ls) for kn in ladder for ls in (0, 1))
+    assert all(t.to_point(t.to_knobs(p)) == p for p in seeds)       # all in the space
+    # each the matmul tiles of its rung (the space's value at or just below), not the
+    # defaults': the 8-row rung's down projection takes a quarter of k = 160
+    eight = next(p for p in seeds if p["tile_m"] == 8)
+    assert ladder[2]["matmul"]["s3"]["tile_k"] == 40 and eight["s3.tile_k"] == 32
+    assert eight["s0.tile_n"] == ladder[2]["matmul"]["s0"]["tile_n"] == 64
+    with TuningLog(str(tmp_path / "log")) as tlog:
+        tuner = Tuner(mc, [t], tlog, log_context(LLAMA, mc.spec, None, None),
+                      progress=False, seed=0)
+        s = tuner.states[0]
+        # (seeds whose command streams would be too long to lower are left out, as any
+        # candidate: the 8- and 4-row rungs' small tiles here)
+        keys = [canonical_knobs(t.to_knobs(p)) for p in tuner._affordable(t, seeds)]
+        assert len(keys) == 4
+        first = [canonical_knobs(k) for k in tuner._propose(s, 4)]
+        assert len(first) == 4 and first[:2] == keys[:2]
+        s.seen |= set(first)
+        second = [canonical_knobs(k) for k in tuner._propose(s, 4)]
+        assert len(second) == 4 and second[:2] == keys[2:]
+        assert not set(second) & set(first)
+        s.seen |= set(keys)
+        assert not set(canonical_knobs(k) for k in tuner._propose(s, 4)) & set(keys)
+
+
 def test_every_program_counts_alike_in_a_tasks_weight(tmp_path, mc):
     """Tuner.weight: a task's occurrences over its programs' default cycles (a program's
     default is its tasks' occurrences x cycles). A kernel of a short program weighs more
