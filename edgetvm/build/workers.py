@@ -11,12 +11,15 @@ earlier programs did not carry, the kernels it lowered and the tuning records it
 so the artifact is the one a serial build writes, byte for byte (a test compares them).
 
 A kernel two workers both need is lowered by each (the cache is per process), which costs
-less than the wait serial lowering would. ``jobs=1`` compiles in this process.
+less than the wait serial lowering would. A worker's error is the build's; a worker that
+dies is a :class:`BuildError` (``concurrent.futures`` notices, where a
+``multiprocessing.Pool`` would wait for it forever). ``jobs=1`` compiles in this process.
 """
 from __future__ import annotations
 
 import os
 
+from .graph import BuildError
 from .package import check_same_weight, encode_program
 
 _FORKED = None          # (compiler, {weight name: array} a worker has sent) in a worker
@@ -61,11 +64,15 @@ def compile_programs(mc, keys, jobs: int = 1, on_done=None):
         mc.partition(mc.graph(*key))
     global _FORKED
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
     _FORKED = (mc, {})
-    pool = mp.get_context("fork").Pool(jobs)
+    pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"))
     try:
         order = sorted(keys, key=lambda k: (-_cost(k), keys.index(k)))
-        for key, enc, weights, lowered, used in pool.imap_unordered(_compile, order):
+        futures = [pool.submit(_compile, key) for key in order]
+        for fut in as_completed(futures):
+            key, enc, weights, lowered, used = fut.result()
             encoded[key] = enc
             for name, a in weights.items():
                 if name in pack:
@@ -78,9 +85,11 @@ def compile_programs(mc, keys, jobs: int = 1, on_done=None):
                 replay_used.update(used)
             if on_done:
                 on_done(key)
+    except BrokenProcessPool:
+        raise BuildError(f"a build worker died (killed, or out of memory?); `-j 1` "
+                         f"compiles in one process, `-j N` in fewer than {jobs}") from None
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
         _FORKED = None
     return encoded, pack
 

@@ -81,6 +81,23 @@ def test_an_error_in_a_worker_is_the_builds_error_and_writes_nothing(
     assert not list(tmp_path.glob(".model-*"))
 
 
+def test_a_worker_that_dies_is_a_clear_error_not_a_hang(artifact, tmp_path, monkeypatch):
+    import os
+
+    from edgetvm.build.compiler import ModelCompiler
+    from edgetvm.build.graph import BuildError
+    link = ModelCompiler.link
+
+    def dying(self, graph, groups, name, **kw):     # as if the kernel killed it
+        if name == "decode_1x2p":
+            os._exit(9)
+        return link(self, graph, groups, name, **kw)
+    monkeypatch.setattr(ModelCompiler, "link", dying)
+    with pytest.raises(BuildError, match="build worker died.*-j 1"):
+        build(LLAMA, str(tmp_path / "x.npu"), **OPTIONS, jobs=2)
+    assert not list(tmp_path.iterdir())
+
+
 def _rewrite(src, dst, edit):
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
         for info in zin.infolist():
