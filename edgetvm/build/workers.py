@@ -69,7 +69,7 @@ def compile_programs(mc, keys, jobs: int = 1, on_done=None):
     _FORKED = (mc, {})
     pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"))
     try:
-        order = sorted(keys, key=lambda k: (-_cost(k), keys.index(k)))
+        order = sorted(keys, key=_cost, reverse=True)      # stable: ties keep their order
         futures = [pool.submit(_compile, key) for key in order]
         for fut in as_completed(futures):
             key, enc, weights, lowered, used = fut.result()

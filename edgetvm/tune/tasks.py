@@ -217,8 +217,8 @@ class Task:
         tile reads the weights more often but, list-scheduled, runs one tile's vector
         stages under the next one's projections, and one-knob moves from the defaults
         rarely reach it: a row tile pays off with the other order and other matmul tiles
-        at once (SmolLM2's W4A16 prefill-512 layer: 128-row tiles list-scheduled were
-        5 % faster than what 4,000 trials of one-knob moves found)."""
+        at once (SmolLM2's W4A16 prefill-512 layer: 128-row tiles list-scheduled, 0.951 M
+        cycles, found by these seeds; 1.005 M the best of the tuning runs before them)."""
         if self.kind != "cluster" or "matmuls" not in self.shape:
             return []
         out, keys = [], set()

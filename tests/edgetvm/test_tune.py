@@ -90,11 +90,12 @@ def test_knobs_set_after_the_first_graph_still_reach_every_kernel(mc):
     sliding-window probe of a default KV capacity builds the largest decode graph in the
     constructor): the replayed knobs must reach the kernels all the same."""
     g, grp = _mlp(mc)
-    knobs = json.loads(json.dumps(mc.kernels.kernel(g, grp).knobs))
+    default = mc.kernels.kernel(g, grp)
+    knobs = json.loads(json.dumps(default.knobs))
     knobs["tile_m"] = 4
     fresh = ModelCompiler(LLAMA, max_rows=16)            # default capacity: probes a graph
     assert fresh.layout is not None
-    key = mc.kernels.kernel(g, grp).key
+    key = default.key
     asked = []
     fresh.knobs_for = lambda k: asked.append(k) or (knobs if k == key else None)
     g2 = fresh.graph("prefill", 16, 1)
