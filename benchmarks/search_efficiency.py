@@ -21,10 +21,9 @@ fewest cycles any run found; a run's trials-to-5 % is the first trial whose best
 within 5 % of it (never: more than the budget). Medians over the seeds; ratio model/random.
 Where the default is already within 5 % of the best that says nothing (goal "n/a"), so
 the table also gives the trials to reach 95 % of the way from the default to the best.
-Under one seed both methods measure the default first. A task without an analytic
-prior (attention) then gets the same random first round from both (the model ranks once
-it has measurements), so a target reached there gives 1.00x by construction; a cluster
-with matmuls and a partition have their first round ranked by the prior.
+Under one seed both methods measure the default first. A cluster with matmuls, an
+attention kernel and a partition have their first round ranked by the analytic prior
+(``edgetvm/tune/cost_model.py``); random shuffles the same pool.
 
 That is a cold start, which a tune meets only at its first task: ``python -m
 edgetvm.tune`` shares one model across its tasks, so when the scheduler reaches a task
@@ -487,10 +486,8 @@ def main(argv=None) -> int:
     print_table(rows, trials, seeds)
     print("random = the tuner without its cost model: the same pool (random points and the "
           "best one's neighbours), shuffled.")
-    print(f"Under one seed both methods measure the default first; where the model has no "
-          f"analytic prior (attention) both then measure the same random round "
-          f"(the model ranks once it has {args.batch} measurements), so a target reached "
-          f"within {args.batch + 1} trials gives 1.00x by construction.")
+    print(f"Both methods measure the default first; the model ranks its first round of "
+          f"{args.batch} by the analytic prior, random shuffles the same pool.")
     print(f"wall time {wall / 60:.1f} min")
     if args.json:
         write_json(args.json, {"benchmark": "search_efficiency", "model": str(model),

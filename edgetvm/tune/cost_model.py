@@ -17,11 +17,12 @@ so tasks of very different sizes share what they teach (a larger tile that halve
 weight re-reads helps every GEMV alike). The model only ranks which candidates to measure
 next; a chosen knob set is always a measured one.
 
-For a cluster with matmuls and for a run's cuts the trees are boosted from an analytic
-prior (the ``prior`` feature is each row's base margin): :func:`cluster_estimate`
-charges the knobs' MMAs, weight and activation DMAs and casts with the spec's
-per-command costs, :func:`partition_estimate` what the cuts send through DRAM and the
-kernels' launches; the prior is the ratio of that estimate to the defaults'. It ranks a
+For a cluster with matmuls, an attention kernel and a run's cuts the trees are boosted
+from an analytic prior (the ``prior`` feature is each row's base margin):
+:func:`cluster_estimate` charges the knobs' MMAs, weight and activation DMAs and casts
+with the spec's per-command costs, :func:`attention_estimate` the live KV tiles' MMAs,
+softmax passes and page DMAs, :func:`partition_estimate` what the cuts send through DRAM
+and the kernels' launches; the prior is the ratio of that estimate to the defaults'. It ranks a
 task's first round before any measurement, and the trees learn what it misses (pipeline
 fill at stage boundaries, bus contention, power, a joined cluster's TCM pressure). Also
 per matmul, in stage order, the knobs themselves (AutoTVM's knob features): the best
@@ -158,6 +159,125 @@ def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
     return est
 
 
+def _mma(m: int, n: int, k: int, spec) -> float:
+    """Cycles of one fp16 MMA command (``target/emulator/costs.py``'s formula)."""
+    mt, nt, kt = spec.mma_tile
+    tiles = -(-m // mt) * -(-n // nt) * -(-k // kt)
+    return spec.mma_issue_cycles + -(-tiles * mt * nt * kt // spec.mma_macs_per_cycle["fp16"])
+
+
+def _vec(rows: int, cols: int, spec, *ops) -> float:
+    """Cycles of one vector command over ``rows`` rows of ``cols`` columns."""
+    return rows * -(-cols // spec.vector_lanes) * sum(spec.vector_op_cycles.get(o, 1)
+                                                        for o in ops)
+
+
+def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
+    """Unit cycles of an attention kernel's knob set from its shapes, without lowering,
+    following the templates' loop nests (``tir_schedules/attention.py``): per KV tile
+    that is live (prefill: causal, its queries at the bucket's last positions as the
+    kernel is measured), the QK^T and P @ V MMAs (and prefill's row sums as an MMA, or
+    as a vector reduction with ``rowsum_mma=0``), the softmax's vector passes over the
+    scores (the mask on the tiles the diagonal crosses, ALiBi's bias) and over the rows,
+    and the K/V page DMAs (bytes and one set-up per page DMA); then per query tile the Q
+    load, its per-head copy, the normalisation and the store. ``serial``: no unit
+    overlaps another; ``overlap``: per KV tile the longer of the matrix and vector work
+    when the scores are pipelined (``slots_s=2``) or list-scheduled, else the vector
+    work plus one query head's MMAs, the K/V DMAs hidden when double-buffered
+    (``slots_kv=2``) but for the pipeline's fill, else added; list-scheduled, the busiest
+    unit over the whole kernel plus what cannot overlap (the first tile's load and
+    scores, a query tile's set-up and end). A prior for the cost model, as
+    :func:`cluster_estimate` is: the emulator decides."""
+    rows, cap, d = sh["rows"], sh["capacity"], sh["head_dim"]
+    hq, hk, page = sh["q_heads"], sh["kv_heads"], sh.get("page_tokens", 16)
+    g = max(1, hq // hk)
+    bw, setup = spec.dram_bytes_per_cycle, spec.dma_setup_cycles
+    tt = max(1, min(int(knobs["tile_kv"]), cap))
+    page_dmas = max(1, tt // page)                  # page DMAs per K (or V) tile
+    tile_bytes = tt * d * 2                          # one head's K (or V) tile
+    n_kt = -(-cap // tt)
+    est = dict(mma=0.0, wdma=0.0, act=0.0, vec=0.0, serial=float(spec.launch_cycles),
+               overlap=float(spec.launch_cycles))
+    listed = bool(knobs.get("list_schedule", 0))
+    piped = knobs.get("slots_s", 1) > 1 or listed
+    fill = []                # the first tile's load and QK^T, a q tile's set-up and end
+    kv_hidden = knobs.get("slots_kv", 1) > 1
+    score_ops = ("reduce_max", "sub", "exp") + (("sub", "mul", "add") if sh.get("alibi")
+                                                 else ())
+
+    def step(m: int, masked: bool, first: bool, rowsum_mma: bool, heads: int,
+             kv_cycles: float, n: int = 1) -> None:
+        """``n`` live KV tiles alike for ``heads`` query heads of ``m`` rows each."""
+        if n <= 0:
+            return
+        mat = heads * (_mma(m, tt, d, spec) + _mma(m, d, tt, spec) +
+                       (_mma(m, 1, tt, spec) if rowsum_mma else 0))
+        vec = _vec(m, tt, spec, *score_ops) + (_vec(m, tt, spec, "mask") if masked else 0)
+        if not rowsum_mma:
+            vec += _vec(m, tt, spec, "reduce_sum") + (0 if first else _vec(1, m, spec, "add"))
+        if not first:        # the running max, its correction, O and l rescaled
+            vec += _vec(1, m, spec, "max", "sub", "exp", "copy", "mul") + \
+                _vec(m, d, spec, "mul")
+        vec *= heads
+        est["mma"] += n * mat
+        est["vec"] += n * vec
+        est["wdma"] += n * kv_cycles
+        compute = max(mat, vec) if piped else vec + mat / heads
+        est["serial"] += n * (mat + vec + kv_cycles)
+        est["overlap"] += n * (max(compute, kv_cycles) if kv_hidden else compute + kv_cycles)
+        if first and kv_hidden:      # the pipeline's fill: the first tile's load
+            est["overlap"] += min(compute, kv_cycles)
+        if not fill:
+            fill.append(kv_cycles + _mma(m, tt, d, spec))
+
+    if kind == "prefill_attention":
+        tq = max(1, min(int(knobs.get("tile_q", rows)), rows))
+        pos = max(0, cap - rows)                  # measured at the bucket's last positions
+        kv = 2 * tile_bytes / bw + setup * page_dmas     # K and V on their own channels
+        for q0 in range(0, rows, tq):
+            m = min(tq, rows - q0)
+            live = min(n_kt, -(-(pos + q0 + m) // tt))
+            # the tiles the causal diagonal crosses (masked): from the first whose last
+            # key is past the q tile's first row
+            unmasked = min(live, max(0, (pos + q0 + 1) // tt))
+            rs = bool(knobs.get("rowsum_mma", 1))
+            step(m, unmasked == 0, True, rs, g, kv)                  # tile 0
+            step(m, False, False, rs, g, kv, unmasked - 1)
+            step(m, True, False, rs, g, kv, live - max(1, unmasked))
+            # Q in, each head's copy, the normalisation (1 / l, O * it), the output out
+            io = (2 * m * g * d * 2) / bw + 2 * setup
+            vec = g * (_vec(m, d, spec, "copy") + _vec(m, d, spec, "mul") +
+                       _vec(1, m, spec, "rsqrt", "mul", "copy"))
+            est["act"] += io
+            est["vec"] += vec
+            est["serial"] += io + vec
+            est["overlap"] += io + vec
+            if len(fill) == 1:
+                fill.append(io + vec)
+        for k in ("mma", "vec", "wdma", "act", "serial", "overlap"):
+            est[k] *= hk
+    else:                    # decode: KV tiles outside, every head's pages in one DMA each
+        kv = 2 * hk * tile_bytes / bw + setup * page_dmas
+        step(g, True, True, False, hk, kv)          # every tile masked (valid length)
+        step(g, True, False, False, hk, kv, n_kt - 1)
+        io = 2 * hq * d * 2 / bw + 2 * setup
+        vec = _vec(hq, d, spec, "mul") + _vec(1, hq, spec, "rsqrt", "mul", "copy")
+        est["act"] += io
+        est["vec"] += vec
+        est["serial"] += io + vec
+        est["overlap"] += io + vec
+        fill.append(io + vec)
+    if listed:
+        # list-scheduled, each unit runs ahead to its next ready op across KV tiles,
+        # heads and query tiles: the busiest unit bounds it, plus what cannot overlap
+        # (the first tile's load and scores, a query tile's Q in and output out; with one
+        # K/V slot, every tile's load)
+        busiest = max(est["mma"], est["vec"], est["wdma"] + est["act"])
+        est["overlap"] = min(est["overlap"], spec.launch_cycles + busiest + sum(fill) +
+                             (0 if kv_hidden else est["wdma"]))
+    return est
+
+
 def partition_estimate(sh: dict, cuts, spec) -> float:
     """Cycles of a run of ops cut at ``cuts``, from its shapes: every op's own work (a
     matmul's MACs or its weights' bytes, whichever takes longer; another op's constants)
@@ -184,6 +304,9 @@ def prior(task, knobs: dict, spec, est: dict | None = None) -> float:
     elif task.kind == "cluster" and task.shape.get("matmuls"):
         base = cluster_estimate(task.shape, task.default_knobs, spec)["overlap"]
         est = (est or cluster_estimate(task.shape, knobs, spec))["overlap"]
+    elif task.kind in ("prefill_attention", "decode_attention"):
+        base = attention_estimate(task.kind, task.shape, task.default_knobs, spec)["overlap"]
+        est = (est or attention_estimate(task.kind, task.shape, knobs, spec))["overlap"]
     else:
         return 0.0
     return math.log(max(1.0, est) / max(1.0, base))
@@ -293,6 +416,9 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  slots_s=knobs["slots_s"],
                  rowsum_mma=knobs.get("rowsum_mma", 1) if "tile_q" in knobs else 0,
                  list_schedule=knobs.get("list_schedule", 0))
+        est = attention_estimate(task.kind, sh, knobs, spec)
+        f.update({f"log_est_{k}": _l(v) for k, v in est.items()})
+        f["prior"] = prior(task, knobs, spec, est)
     return np.array([f[k] for k in FEATURES], dtype=np.float32)
 
 

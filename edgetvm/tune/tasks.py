@@ -317,7 +317,8 @@ def template_space(kind: str, graph, op, layout) -> tuple:
         space["rowsum_mma"] = [0, 1]
     space["list_schedule"] = [0, 1]
     return space, dict(rows=graph.rows, capacity=cap, q_heads=op.attrs["q_heads"],
-                       kv_heads=layout.kv_heads, head_dim=layout.head_dim)
+                       kv_heads=layout.kv_heads, head_dim=layout.head_dim,
+                       page_tokens=layout.page_tokens, alibi=bool(op.attrs.get("alibi")))
 
 
 def extract_tasks(mc, keys, strategy: str | None = None) -> list:

@@ -30,8 +30,9 @@ Loop (MetaSchedule's shape: ``TaskScheduler`` -> ``SearchStrategy`` -> ``CostMod
 3. a round proposes ``batch`` unseen candidates: a pool of random points and the
    neighbours of the best one (one knob changed), ranked by the XGBoost model (a quarter
    of the batch stays random, for exploration); before the model has data, by its
-   analytic prior (a cluster's estimated latency from its tiles and the spec's
-   per-command costs, a run's from its cuts), and at random where there is none. For a
+   analytic prior (a cluster's or an attention kernel's estimated latency from its tiles
+   and the spec's per-command costs, a run's from its cuts), and at random where there
+   is none (an embedding). For a
    run's cuts the pool first grows by the neighbours of the points the model ranks
    highest (:data:`GUIDED_KINDS`), and every run has a round before any has a second
    (:meth:`Tuner._pick`);
@@ -459,7 +460,7 @@ class Tuner:
         self.rng.shuffle(pool)
         if self.model is not None and len(pool) > n:
             # ranked by the model, or by its analytic prior before it has data (a task
-            # without a prior keeps the shuffled order: the ranking is stable)
+            # without a prior, an embedding, keeps the shuffled order: the ranking is stable)
             X = np.stack([features(t, t.to_knobs(p), self.mc.spec) for p in pool])
             for _ in range(GUIDED_GENERATIONS if t.kind in GUIDED_KINDS else 0):
                 # model-guided mutation: the neighbours of the points it ranks highest

@@ -19,7 +19,8 @@ from edgetvm.target.emulator import Emulator
 from edgetvm.target.spec import load_spec, spec_from_dict
 from edgetvm.tune.cli import select_keys, tune
 from edgetvm.tune.cli import main as tune_main
-from edgetvm.tune.cost_model import PRIOR, CostModel, cluster_estimate, features, prior
+from edgetvm.tune.cost_model import (PRIOR, CostModel, attention_estimate, cluster_estimate,
+                                     features, prior)
 from edgetvm.tune.log import (OK, REJECTED, Replay, TuningLog, canonical_knobs, log_context,
                               workload_hash)
 from edgetvm.build.measure import measure_kernel
@@ -390,6 +391,47 @@ def test_the_analytic_prior_charges_the_emulators_mma_cycles_and_orders_candidat
     assert min(rhos.values()) > 0.4 and np.mean(list(rhos.values())) > 0.75, rhos
     X = np.stack([features(tasks[0], t, mc.spec) for t in
                   [tasks[0].to_knobs(p) for p in tasks[0].sample(rng, 10, set())]])
+    assert list(CostModel().rank(X)) == list(np.argsort(X[:, PRIOR], kind="stable"))
+
+
+def test_the_attention_prior_charges_the_emulators_mma_cycles_and_orders_candidates(mc):
+    """The attention templates' estimate: its matrix-unit cycles are exactly the
+    emulator's (QK^T and P @ V per live KV tile -- prefill's causal tiles at the bucket's
+    last positions --, prefill's row sums as an MMA or not), so are its vector cycles
+    (the scores' passes, the masks on the tiles they change, the per-row state), and its
+    prior orders measured knob sets of both kernels (a wrong live-tile count, a missing
+    pipeline or an inverted ratio would not); the prior
+    of the defaults is 0 and an untrained model ranks an attention task's pool by it."""
+    import random
+    keys = [("prefill", 16, 4), ("decode", 1, 4)]
+    tasks = [t for t in extract_tasks(mc, keys) if t.kind.endswith("attention")]
+    assert {t.kind for t in tasks} == {"prefill_attention", "decode_attention"}
+    emu = Emulator(mc.spec)
+    rng = random.Random(0)
+    rank = lambda v: np.argsort(np.argsort(v))        # noqa: E731
+    rhos = {}
+    for t in tasks:
+        priors, cycles = [], []
+        for p in [t.to_point(t.default_knobs)] + t.sample(rng, 16, set()):
+            kn = t.to_knobs(p)
+            try:
+                k = mc.kernels.kernel(t.graph, list(t.group), knobs=kn)
+            except CandidateRejected:
+                continue
+            c = measure_kernel(k, t.graph, mc.spec, mc.layout, emu)
+            est = attention_estimate(t.kind, t.shape, kn, mc.spec)
+            assert est["mma"] == c.busy_cycles["matrix"], (t.label, kn)
+            assert est["vec"] == c.busy_cycles["vector"], (t.label, kn)
+            priors.append(prior(t, kn, mc.spec))
+            cycles.append(c.total_cycles)
+        assert priors[0] == 0.0
+        assert len(cycles) >= 12, t.label
+        rhos[t.kind] = np.corrcoef(rank(priors), rank(cycles))[0, 1]
+    # decode is bound by its KV bytes: the knobs move it little, the prior less surely
+    assert rhos["prefill_attention"] > 0.85 and rhos["decode_attention"] > 0.7, rhos
+    t = next(t for t in tasks if t.kind == "prefill_attention")
+    X = np.stack([features(t, t.to_knobs(p), mc.spec) for p in t.sample(rng, 10, set())])
+    assert np.ptp(X[:, PRIOR]) > 0.1
     assert list(CostModel().rank(X)) == list(np.argsort(X[:, PRIOR], kind="stable"))
 
 
