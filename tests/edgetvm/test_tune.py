@@ -394,8 +394,10 @@ def test_the_analytic_prior_charges_the_emulators_mma_cycles_and_orders_candidat
     assert list(CostModel().rank(X)) == list(np.argsort(X[:, PRIOR], kind="stable"))
 
 
-def test_the_attention_prior_charges_the_emulators_mma_cycles_and_orders_candidates(mc):
-    """The attention templates' estimate: its matrix-unit cycles are exactly the
+@pytest.mark.parametrize("family", ["llama", "bloom"])
+def test_the_attention_prior_charges_the_emulators_mma_cycles_and_orders_candidates(family):
+    """The attention templates' estimate (causal, and ALiBi's bias for BLOOM): its
+    matrix-unit cycles are exactly the
     emulator's (QK^T and P @ V per live KV tile -- prefill's causal tiles at the bucket's
     last positions --, prefill's row sums as an MMA or not), so are its vector cycles
     (the scores' passes, the masks on the tiles they change, the per-row state), and its
@@ -403,8 +405,12 @@ def test_the_attention_prior_charges_the_emulators_mma_cycles_and_orders_candida
     pipeline or an inverted ratio would not); the prior
     of the defaults is 0 and an untrained model ranks an attention task's pool by it."""
     import random
-    keys = [("prefill", 16, 4), ("decode", 1, 4)]
+    # a whole 64-token prompt (the KV tiles above the diagonal are skipped) and decode
+    mc = ModelCompiler(str(DATA / f"{family}_tiny_with_past.onnx"), max_tokens=64,
+                       max_rows=64)
+    keys = [("prefill", 64, 4), ("decode", 1, 4)]
     tasks = [t for t in extract_tasks(mc, keys) if t.kind.endswith("attention")]
+    assert all(t.shape["alibi"] == (family == "bloom") for t in tasks)
     assert {t.kind for t in tasks} == {"prefill_attention", "decode_attention"}
     emu = Emulator(mc.spec)
     rng = random.Random(0)
@@ -428,7 +434,7 @@ def test_the_attention_prior_charges_the_emulators_mma_cycles_and_orders_candida
         assert len(cycles) >= 12, t.label
         rhos[t.kind] = np.corrcoef(rank(priors), rank(cycles))[0, 1]
     # decode is bound by its KV bytes: the knobs move it little, the prior less surely
-    assert rhos["prefill_attention"] > 0.85 and rhos["decode_attention"] > 0.7, rhos
+    assert rhos["prefill_attention"] > 0.85 and rhos["decode_attention"] > 0.6, rhos
     t = next(t for t in tasks if t.kind == "prefill_attention")
     X = np.stack([features(t, t.to_knobs(p), mc.spec) for p in t.sample(rng, 10, set())])
     assert np.ptp(X[:, PRIOR]) > 0.1
