@@ -323,6 +323,26 @@ def test_failed_and_rejected_trials_are_logged_and_the_tuner_goes_on(tmp_path, m
     assert rep["tasks"][0]["failed"] == len(by["failed"])
 
 
+def _measured_points(mc, t, rng, n: int) -> list:
+    """(knobs, Counters of the kernel alone) of task ``t``'s defaults and of ``n`` random
+    points of its space that fit the TCM."""
+    emu = Emulator(mc.spec)
+    out = []
+    for p in [t.to_point(t.default_knobs)] + t.sample(rng, n, set()):
+        kn = t.to_knobs(p)
+        try:
+            k = mc.kernels.kernel(t.graph, list(t.group), knobs=kn)
+        except CandidateRejected:
+            continue
+        out.append((kn, measure_kernel(k, t.graph, mc.spec, mc.layout, emu)))
+    return out
+
+
+def _spearman(a, b) -> float:
+    rank = lambda v: np.argsort(np.argsort(v))        # noqa: E731
+    return float(np.corrcoef(rank(a), rank(b))[0, 1])
+
+
 def test_the_cost_model_ranks_unseen_candidates(mc):
     """Trained on 48 measured candidates of the decode tasks, it orders 48 others far
     better than chance (Spearman rank correlation)."""
@@ -352,8 +372,7 @@ def test_the_cost_model_ranks_unseen_candidates(mc):
     m.fit()
     pred = m.predict(np.stack([x for x, _, _ in test]))
     truth = np.log([c / b for _, c, b in test])
-    rank = lambda v: np.argsort(np.argsort(v))        # noqa: E731
-    rho = np.corrcoef(rank(pred), rank(truth))[0, 1]
+    rho = _spearman(pred, truth)
     assert rho > 0.5, rho
 
 
@@ -367,26 +386,18 @@ def test_the_analytic_prior_charges_the_emulators_mma_cycles_and_orders_candidat
     tasks = [t for t in extract_tasks(mc, [("prefill", 16, 1), ("decode", 1, 4)])
              if t.kind == "cluster" and t.shape["matmuls"]]
     assert len(tasks) >= 3
-    emu = Emulator(mc.spec)
     rng = random.Random(0)
-    rank = lambda v: np.argsort(np.argsort(v))        # noqa: E731
     rhos = {}
     for t in tasks:
         priors, cycles = [], []
-        for p in [t.to_point(t.default_knobs)] + t.sample(rng, 12, set()):
-            kn = t.to_knobs(p)
-            try:
-                k = mc.kernels.kernel(t.graph, list(t.group), knobs=kn)
-            except CandidateRejected:
-                continue
-            c = measure_kernel(k, t.graph, mc.spec, mc.layout, emu)
+        for kn, c in _measured_points(mc, t, rng, 12):
             assert cluster_estimate(t.shape, kn, mc.spec)["mma"] == \
                 c.busy_cycles["matrix"], (t.label, kn)
             priors.append(prior(t, kn, mc.spec))
             cycles.append(c.total_cycles)
         assert priors[0] == 0.0                       # the defaults against themselves
         assert len(cycles) >= 8, t.label
-        rhos[t.label] = np.corrcoef(rank(priors), rank(cycles))[0, 1]
+        rhos[t.label] = _spearman(priors, cycles)
     # tiny GEMVs are mostly fixed costs (launch, set-ups), the larger clusters not
     assert min(rhos.values()) > 0.4 and np.mean(list(rhos.values())) > 0.75, rhos
     X = np.stack([features(tasks[0], t, mc.spec) for t in
@@ -397,13 +408,13 @@ def test_the_analytic_prior_charges_the_emulators_mma_cycles_and_orders_candidat
 @pytest.mark.parametrize("family", ["llama", "bloom"])
 def test_the_attention_prior_charges_the_emulators_mma_cycles_and_orders_candidates(family):
     """The attention templates' estimate (causal, and ALiBi's bias for BLOOM): its
-    matrix-unit cycles are exactly the
-    emulator's (QK^T and P @ V per live KV tile -- prefill's causal tiles at the bucket's
-    last positions --, prefill's row sums as an MMA or not), so are its vector cycles
-    (the scores' passes, the masks on the tiles they change, the per-row state), and its
-    prior orders measured knob sets of both kernels (a wrong live-tile count, a missing
-    pipeline or an inverted ratio would not); the prior
-    of the defaults is 0 and an untrained model ranks an attention task's pool by it."""
+    matrix-unit cycles are exactly the emulator's (QK^T and P @ V per live KV tile --
+    prefill's causal tiles at the bucket's last positions --, prefill's row sums as an
+    MMA or not), so are its vector cycles (the scores' passes, the masks on the tiles
+    they change, the per-row state), and its prior orders measured knob sets of both
+    kernels (a wrong live-tile count, a missing pipeline or an inverted ratio would not);
+    the prior of the defaults is 0 and an untrained model ranks an attention task's pool
+    by it."""
     import random
     # a whole 64-token prompt (the KV tiles above the diagonal are skipped) and decode
     mc = ModelCompiler(str(DATA / f"{family}_tiny_with_past.onnx"), max_tokens=64,
@@ -412,19 +423,11 @@ def test_the_attention_prior_charges_the_emulators_mma_cycles_and_orders_candida
     tasks = [t for t in extract_tasks(mc, keys) if t.kind.endswith("attention")]
     assert all(t.shape["alibi"] == (family == "bloom") for t in tasks)
     assert {t.kind for t in tasks} == {"prefill_attention", "decode_attention"}
-    emu = Emulator(mc.spec)
     rng = random.Random(0)
-    rank = lambda v: np.argsort(np.argsort(v))        # noqa: E731
     rhos = {}
     for t in tasks:
         priors, cycles = [], []
-        for p in [t.to_point(t.default_knobs)] + t.sample(rng, 16, set()):
-            kn = t.to_knobs(p)
-            try:
-                k = mc.kernels.kernel(t.graph, list(t.group), knobs=kn)
-            except CandidateRejected:
-                continue
-            c = measure_kernel(k, t.graph, mc.spec, mc.layout, emu)
+        for kn, c in _measured_points(mc, t, rng, 16):
             est = attention_estimate(t.kind, t.shape, kn, mc.spec)
             assert est["mma"] == c.busy_cycles["matrix"], (t.label, kn)
             assert est["vec"] == c.busy_cycles["vector"], (t.label, kn)
@@ -432,7 +435,7 @@ def test_the_attention_prior_charges_the_emulators_mma_cycles_and_orders_candida
             cycles.append(c.total_cycles)
         assert priors[0] == 0.0
         assert len(cycles) >= 12, t.label
-        rhos[t.kind] = np.corrcoef(rank(priors), rank(cycles))[0, 1]
+        rhos[t.kind] = _spearman(priors, cycles)
     # decode is bound by its KV bytes: the knobs move it little, the prior less surely
     assert rhos["prefill_attention"] > 0.85 and rhos["decode_attention"] > 0.6, rhos
     t = next(t for t in tasks if t.kind == "prefill_attention")
@@ -932,8 +935,7 @@ def test_the_cost_model_learns_another_tasks_records_before_measuring(tmp_path, 
         Tuner(mc, [b], tlog, ctx, progress=False, seed=1, use_model=False).run(trials=16)
     got = [r for r in TuningLog(str(tmp_path / "b2")).records() if r.status == OK]
     pred = tuner.model.predict(np.stack([features(b, r.knobs, mc.spec) for r in got]))
-    rank = lambda v: np.argsort(np.argsort(v))        # noqa: E731
-    rho = np.corrcoef(rank(pred), rank([r.cycles for r in got]))[0, 1]
+    rho = _spearman(pred, [r.cycles for r in got])
     assert len(got) >= 12 and rho > 0.5, rho
 
 
