@@ -189,7 +189,7 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
     scores, a query tile's set-up and end). A prior for the cost model, as
     :func:`cluster_estimate` is: the emulator decides."""
     rows, cap, d = sh["rows"], sh["capacity"], sh["head_dim"]
-    hq, hk, page = sh["q_heads"], sh["kv_heads"], sh.get("page_tokens", 16)
+    hq, hk, page = sh["q_heads"], sh["kv_heads"], sh["page_tokens"]
     g = max(1, hq // hk)
     bw, setup = spec.dram_bytes_per_cycle, spec.dma_setup_cycles
     tt = max(1, min(int(knobs["tile_kv"]), cap))
@@ -202,7 +202,7 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
     piped = knobs.get("slots_s", 1) > 1 or listed
     fill = []                # the first tile's load and QK^T, a q tile's set-up and end
     kv_hidden = knobs.get("slots_kv", 1) > 1
-    score_ops = ("reduce_max", "sub", "exp") + (("sub", "mul", "add") if sh.get("alibi")
+    score_ops = ("reduce_max", "sub", "exp") + (("sub", "mul", "add") if sh["alibi"]
                                                  else ())
 
     def step(m: int, masked: bool, first: bool, rowsum_mma: bool, heads: int,
