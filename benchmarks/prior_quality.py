@@ -45,16 +45,6 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(rank(np.asarray(a)), rank(np.asarray(b)))[0, 1])
 
 
-def points_of(task, n: int, rng) -> list:
-    """Every point of ``task``'s space when it has at most ``n``, else ``n`` sampled."""
-    if task.space_size <= n:
-        names = list(task.space)
-        grid = np.stack(np.meshgrid(*[np.arange(len(task.space[k])) for k in names],
-                                    indexing="ij"), -1).reshape(-1, len(names))
-        return [{k: task.space[k][i] for k, i in zip(names, row)} for row in grid]
-    return task.sample(rng, n, set())
-
-
 def measure_task(mc, task, n: int, seed: int) -> dict:
     emu = Emulator(mc.spec)
     errors = []
@@ -62,7 +52,8 @@ def measure_task(mc, task, n: int, seed: int) -> dict:
     if prior(task, task.default_knobs, mc.spec) != 0.0:
         errors.append(f"{task.label}: the defaults' prior is not 0")
     priors, cycles, rejected, stopped, failed = [], [], 0, 0, []
-    for p in points_of(task, n, random.Random(seed)):
+    # every point of a space of at most ``n`` (``Task.sample`` takes them all), else n
+    for p in task.sample(random.Random(seed), n, set()):
         kn = task.to_knobs(p)
         try:
             c = measure_candidate(mc, task, kn, emu, slow_after=SLOW * default).cycles

@@ -34,6 +34,7 @@ import math
 
 import numpy as np
 
+from edgetvm.target.emulator.costs import mma_shape_cycles, vector_shape_cycles
 from edgetvm.tir_schedules.fused import KNOBS_SINCE
 
 #: template kinds, one-hot in the features
@@ -104,7 +105,6 @@ def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
     only tells the cost model where to start (its prior)."""
     rows = sh.get("rows", 1)
     tm = knobs.get("tile_m", rows)
-    mt, nt, kt = spec.mma_tile
     bw, setup, lanes = spec.dram_bytes_per_cycle, spec.dma_setup_cycles, spec.vector_lanes
     mm = knobs.get("matmul", {})
     slots_in = knobs.get("slots_in", 1)
@@ -129,14 +129,11 @@ def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
             c_mma = c_dma = c_vec = 0.0
             for a, ca in _splits(n, kn.get("tile_n", n)):
                 for b, cb in _splits(k, kn.get("tile_k", k)):
-                    tiles = -(-m // mt) * -(-a // nt) * -(-b // kt)
-                    mac = -(-tiles * mt * nt * kt // spec.mma_macs_per_cycle[kind])
                     if group:
-                        mac = max(mac, -(-a * b // spec.w4a16_dequant_weights_per_cycle))
                         wb, dmas = a * b / 2 + a * (b // group) * 4, 3
                     else:
                         wb, dmas = a * b * 2, 1
-                    c_mma += ca * cb * (spec.mma_issue_cycles + mac)
+                    c_mma += ca * cb * mma_shape_cycles(m, a, b, kind, spec)
                     c_dma += ca * cb * (wb / bw + setup * dmas)
                 c_vec += ca * m * -(-a // lanes)          # the cast of each j0 tile
             est["mma"] += cm * c_mma
@@ -159,17 +156,14 @@ def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
     return est
 
 
-def _mma(m: int, n: int, k: int, spec) -> float:
-    """Cycles of one fp16 MMA command (``target/emulator/costs.py``'s formula)."""
-    mt, nt, kt = spec.mma_tile
-    tiles = -(-m // mt) * -(-n // nt) * -(-k // kt)
-    return spec.mma_issue_cycles + -(-tiles * mt * nt * kt // spec.mma_macs_per_cycle["fp16"])
+def _mma(m: int, n: int, k: int, spec) -> int:
+    """Cycles of one fp16 MMA command (the emulator's per-command cost)."""
+    return mma_shape_cycles(m, n, k, "fp16", spec)
 
 
-def _vec(rows: int, cols: int, spec, *ops) -> float:
-    """Cycles of one vector command over ``rows`` rows of ``cols`` columns."""
-    return rows * -(-cols // spec.vector_lanes) * sum(spec.vector_op_cycles.get(o, 1)
-                                                        for o in ops)
+def _vec(rows: int, cols: int, spec, *ops) -> int:
+    """Cycles of one vector command per op of ``ops`` over ``rows`` x ``cols``."""
+    return sum(vector_shape_cycles(o, rows, cols, spec) for o in ops)
 
 
 def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
@@ -200,10 +194,8 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
                overlap=float(spec.launch_cycles))
     listed = bool(knobs.get("list_schedule", 0))
     piped = knobs.get("slots_s", 1) > 1 or listed
-    fill = []                # the first tile's load and QK^T, a q tile's set-up and end
     kv_hidden = knobs.get("slots_kv", 1) > 1
-    score_ops = ("reduce_max", "sub", "exp") + (("sub", "mul", "add") if sh["alibi"]
-                                                 else ())
+    score_ops = ("reduce_max", "sub", "exp") + (("alibi",) if sh["alibi"] else ())
 
     def step(m: int, masked: bool, first: bool, rowsum_mma: bool, heads: int,
              kv_cycles: float, n: int = 1) -> None:
@@ -227,20 +219,18 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
         est["overlap"] += n * (max(compute, kv_cycles) if kv_hidden else compute + kv_cycles)
         if first and kv_hidden:      # the pipeline's fill: the first tile's load
             est["overlap"] += min(compute, kv_cycles)
-        if not fill:
-            fill.append(kv_cycles + _mma(m, tt, d, spec))
 
     if kind == "prefill_attention":
         tq = max(1, min(int(knobs.get("tile_q", rows)), rows))
         pos = max(0, cap - rows)                  # measured at the bucket's last positions
         kv = 2 * tile_bytes / bw + setup * page_dmas     # K and V on their own channels
+        rs = bool(knobs.get("rowsum_mma", 1))
         for q0 in range(0, rows, tq):
             m = min(tq, rows - q0)
             live = min(n_kt, -(-(pos + q0 + m) // tt))
             # the tiles the causal diagonal crosses (masked): from the first whose last
             # key is past the q tile's first row
             unmasked = min(live, max(0, (pos + q0 + 1) // tt))
-            rs = bool(knobs.get("rowsum_mma", 1))
             step(m, unmasked == 0, True, rs, g, kv)                  # tile 0
             step(m, False, False, rs, g, kv, unmasked - 1)
             step(m, True, False, rs, g, kv, live - max(1, unmasked))
@@ -252,8 +242,8 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
             est["vec"] += vec
             est["serial"] += io + vec
             est["overlap"] += io + vec
-            if len(fill) == 1:
-                fill.append(io + vec)
+            if q0 == 0:      # what cannot overlap: the first tile's load and QK^T, the
+                fill = kv + _mma(m, tt, d, spec) + io + vec     # first q tile's Q and out
         for k in ("mma", "vec", "wdma", "act", "serial", "overlap"):
             est[k] *= hk
     else:                    # decode: KV tiles outside, every head's pages in one DMA each
@@ -266,14 +256,14 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
         est["vec"] += vec
         est["serial"] += io + vec
         est["overlap"] += io + vec
-        fill.append(io + vec)
+        fill = kv + _mma(g, tt, d, spec) + io + vec
     if listed:
         # list-scheduled, each unit runs ahead to its next ready op across KV tiles,
         # heads and query tiles: the busiest unit bounds it, plus what cannot overlap
         # (the first tile's load and scores, a query tile's Q in and output out; with one
         # K/V slot, every tile's load)
         busiest = max(est["mma"], est["vec"], est["wdma"] + est["act"])
-        est["overlap"] = min(est["overlap"], spec.launch_cycles + busiest + sum(fill) +
+        est["overlap"] = min(est["overlap"], spec.launch_cycles + busiest + fill +
                              (0 if kv_hidden else est["wdma"]))
     return est
 

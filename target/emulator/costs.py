@@ -39,19 +39,30 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def mma_cycles(cmd: Mma, spec) -> int:
-    m, n, k = cmd.mnk
+def mma_shape_cycles(m: int, n: int, k: int, kind: str, spec) -> int:
+    """Cycles of an MMA of shape ``(m, n, k)`` and ``kind`` (also what the tuner's cost
+    model charges, without lowering)."""
     tm, tn, tk = spec.mma_tile
     tiles = _cdiv(m, tm) * _cdiv(n, tn) * _cdiv(k, tk)
-    macs = _cdiv(tiles * tm * tn * tk, spec.mma_macs_per_cycle[cmd.kind])
-    if cmd.kind == "w4a16":
+    macs = _cdiv(tiles * tm * tn * tk, spec.mma_macs_per_cycle[kind])
+    if kind == "w4a16":
         macs = max(macs, _cdiv(n * k, spec.w4a16_dequant_weights_per_cycle))
     return spec.mma_issue_cycles + macs
 
 
+def mma_cycles(cmd: Mma, spec) -> int:
+    return mma_shape_cycles(*cmd.mnk, cmd.kind, spec)
+
+
+def vector_shape_cycles(op: str, rows: int, cols: int, spec) -> int:
+    """Cycles of vector op ``op`` over an operand of ``rows`` x ``cols``."""
+    passes = rows * _cdiv(cols, spec.vector_lanes)
+    return passes * sum(spec.vector_op_cycles[o] for o in _COSTED_AS.get(op, (op,)))
+
+
 def vector_cycles(cmd: Vector, spec) -> int:
-    passes = max(r * _cdiv(c, spec.vector_lanes) for r, c in (cmd.dst.shape, cmd.srcs[0].shape))
-    return passes * sum(spec.vector_op_cycles[op] for op in _COSTED_AS.get(cmd.op, (cmd.op,)))
+    return max(vector_shape_cycles(cmd.op, r, c, spec)
+               for r, c in (cmd.dst.shape, cmd.srcs[0].shape))
 
 
 #: ops charged the per-pass costs of other ops, summed (see the module docstring)
