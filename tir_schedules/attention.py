@@ -82,7 +82,12 @@ in less TCM); prefill adds ``tile_q`` and
 the 900 mW matrix unit for more of the 250 mW vector unit: under a binding power budget
 the slower kernel may be the faster step). Both take ``list_schedule`` (1: the lowering
 reorders each unit's ops for overlap within their dependencies, ``target/lowering/
-reorder.py``; 0, and a knob set from before it: the loop nest's order).
+reorder.py``; 0, and a knob set from before it: the loop nest's order). The phase
+programs' kernels plan that order for the bucket's worst case (``lower_primfunc``'s
+``plan_params``: the chunk at the end of the KV capacity), where the KV tiles above each q
+tile's diagonal are predicated off and cost the plan nothing; planned as if they ran, the
+order was slower than the loop nest's on long chunks (the bundled example's prefill 512 at
+KV 1024: 2.10 M cycles against 2.04 M; planned, 2.00 M).
 
 Layouts: decode ``q, out (Hq, D)``; prefill ``q, out (C, Hq, D)`` token-major (the
 projection's layout); inside, Q is re-laid out head-major in TCM by one vector copy per
@@ -110,9 +115,12 @@ PREFILL_KNOBS = ("tile_q", "tile_kv", "slots_kv", "slots_s", "rowsum_mma", "list
 #: (whose cycles no longer hold) are not replayed. 2: QK^T of every head before the
 #: softmaxes, O rescaled in place and accumulated by the P @ V MMA, prefill row sums on the
 #: matrix unit, the output normalised by a reciprocal. Prefill 3: masks in place on the
-#: tiles they change only; ``slots_s=2`` software-pipelined.
+#: tiles they change only; ``slots_s=2`` software-pipelined. Prefill 4: with
+#: ``list_schedule=1`` the order is planned for the bucket's worst-case position, where the
+#: tiles above a chunk's causal diagonal are predicated off (``lower_primfunc``'s
+#: ``plan_params``); before, the plan charged them as running.
 DECODE_REVISION = 2
-PREFILL_REVISION = 3
+PREFILL_REVISION = 4
 
 #: lower_primfunc keyword arguments of the attention kernels
 ATTENTION_LOWERING = {"runtime": ["page_table"], "state": ["K_cache", "V_cache"]}

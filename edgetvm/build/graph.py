@@ -128,6 +128,14 @@ class PhaseGraph:
     position_tables: dict = field(default_factory=dict)   # table name -> var name
     host_notes: list = field(default_factory=list)        # what stays on the host, why
 
+    def worst_case_lengths(self, layout) -> dict:
+        """``pos`` and ``valid_len`` at the bucket's worst case: its ``rows`` at the end
+        of its KV capacity (within the cache the state tensors hold: a 1,040-token build
+        has 65 pages and a 128-page decode bucket)."""
+        cap = min(self.pages, layout.num_pages) * layout.page_tokens
+        pos = max(0, cap - self.rows)
+        return {"pos": pos, "valid_len": pos + self.rows}
+
     def consumers(self) -> dict:
         """tensor name -> indices of the ops that read it."""
         out: dict = {}

@@ -30,14 +30,12 @@ def measurement_params(program, graph, layout) -> dict:
     """Runtime parameters of ``program`` (a kernel or a whole phase of ``graph``) at the
     bucket's worst case."""
     pt = layout.page_tokens
-    # the bucket's capacity, within the cache the state tensors hold (a 1,040-token build
-    # has 65 pages and a 128-page decode bucket)
-    cap = min(graph.pages, layout.num_pages) * pt
     rows = graph.rows
-    pos = max(0, cap - rows)
+    lengths = graph.worst_case_lengths(layout)
+    pos = lengths["pos"]
     table = list(range(layout.num_pages))
     params = {f"ids.{i}": i for i in range(rows)}
-    params.update(pos=pos, valid_len=pos + rows, last_row=rows - 1)
+    params.update(lengths, last_row=rows - 1)
     params.update(layout.slot_params(table, pos, rows, rows))
     params.update(layout.page_table_params(table, graph.pages))
     params.update({f"dst_page.{i}": table[pos // pt + i] for i in range(max(1, rows // pt))

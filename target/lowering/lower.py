@@ -37,7 +37,7 @@ TCM_INSTANCE = "npu.tcm_instance"
 
 def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None,
                    consts: dict | None = None, runtime=(), state=(),
-                   max_ops: int | None = None):
+                   max_ops: int | None = None, plan_params: dict | None = None):
     """Compile a scheduled PrimFunc into a :class:`~edgetvm.target.isa.Program`.
 
     Parameters
@@ -54,6 +54,11 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     state : names of buffer parameters that persist on the device (the KV cache pages).
     max_ops : reject (``CandidateRejected``) a schedule with more tile operations, as a
         tuner's measurement budget (a tiny tile on a large workload is never worth it).
+    plan_params : runtime parameter values the list schedule (root annotation
+        ``npu.list_schedule``) plans the order for, e.g. the bucket's worst case: an op
+        predicated off at them costs nothing in the plan. The program still serves every
+        value; only the order is chosen for these. None: every op is planned as running
+        (``tir_schedules/attention.py`` says what that cost a chunked prefill attention).
     """
     consts = dict(consts or {})
     fills = func.attrs.get(FILL_CONSTS) if func.attrs is not None else None
@@ -74,7 +79,8 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     units = _assign_units(ops, kinds, spec, interp.dma_split)
     if interp.list_schedule:
         ops = list_schedule(ops, units, kinds, tcm, lambda op: estimated_cycles(
-            _commands(op, units[op.index], kinds, tcm), spec))
+            _commands(op, units[op.index], kinds, tcm), spec)
+            if runs_at(op, plan_params) else 0.0)
     waits, signals = insert_events(ops, units, kinds, tcm)
 
     b = ProgramBuilder(name, spec)
@@ -128,6 +134,20 @@ def _predicate(op):
     if not preds:
         return None
     return preds[0] if len(preds) == 1 else tuple(preds)
+
+
+def runs_at(op, params) -> bool:
+    """Whether ``op`` runs at runtime parameters ``params`` (each of its predicates holds;
+    True when ``params`` is None or lacks a parameter a predicate reads)."""
+    when = _predicate(op)
+    if when is None or params is None:
+        return True
+    for a in when if isinstance(when, tuple) else (when,):
+        if any(name not in params for name, _ in a.terms):
+            return True
+        if a.eval(params) <= 0:
+            return False
+    return True
 
 
 def _assign_units(ops, kinds, spec, dma_split: bool) -> dict:

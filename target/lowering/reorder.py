@@ -16,7 +16,8 @@ Hexagon/VTA pipelines do by hand per template); this pass does it for any progra
    exactly what the loop nest's order computes, in the same TCM;
 2. costs: each op's cycles from the emulator's own per-command formulas (``costs.py``),
    a DMA at the whole bus's bandwidth (an estimate for choosing an order, never a
-   measurement);
+   measurement); an op its predicates switch off at the runtime parameters the order is
+   planned for costs nothing (``lower_primfunc``'s ``plan_params``);
 3. list scheduling: a simulation of the units, each starting, whenever it is idle, the
    ready op with the longest estimated path to the end (ties: the loop nest's order).
 

@@ -576,3 +576,23 @@ def test_edgellm_whole_runs_stay_within_the_cache_of_a_partial_bucket():
     for key in (("decode", 1, 4), ("prefill", 16, 4)):
         g = mc.graph(*key)
         assert mc.search().run_whole(g, mc.partition(g, "regions")) > 0
+
+
+def test_the_attention_order_is_planned_for_the_buckets_worst_case(monkeypatch):
+    """The phase programs' attention kernels are list-scheduled for the bucket's worst
+    case (``lower_primfunc``'s ``plan_params``: the rows at the end of the bucket's KV
+    capacity), not as if the KV tiles above the causal diagonal ran (what they computed
+    is checked token-exact by the tests above, at other positions too)."""
+    import edgetvm.build.kernels as kernels
+    seen = []
+    real = kernels.lower_primfunc
+
+    def spy(*args, **kw):
+        seen.append((args[2], kw.get("plan_params")))
+        return real(*args, **kw)
+    monkeypatch.setattr(kernels, "lower_primfunc", spy)
+    mc = ModelCompiler(str(_path("llama")), max_tokens=MAX_TOKENS, max_rows=16)
+    mc.program("prefill", 16, 2)            # 16 rows at the end of a 32-token capacity
+    mc.program("decode", 1, 4)
+    assert ("prefill_attention", {"pos": 16, "valid_len": 32}) in seen
+    assert ("decode_attention", {"pos": 63, "valid_len": 64}) in seen
