@@ -20,7 +20,8 @@ from tvm import tirx
 from edgetvm.errors import CandidateRejected
 
 from ..builder import ProgramBuilder
-from ..isa import VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector
+from ..isa import (VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector,
+                   holds, predicates)
 from .interpret import Interpreter
 from .reorder import estimated_cycles, list_schedule
 from .sync import insert_events
@@ -137,17 +138,14 @@ def _predicate(op):
 
 
 def runs_at(op, params) -> bool:
-    """Whether ``op`` runs at runtime parameters ``params`` (each of its predicates holds;
-    True when ``params`` is None or lacks a parameter a predicate reads)."""
-    when = _predicate(op)
-    if when is None or params is None:
+    """Whether ``op`` runs at runtime parameters ``params``: each of its predicates that
+    reads only parameters in ``params`` holds (the emulator's ``holds``); True when
+    ``params`` is None."""
+    if params is None:
         return True
-    for a in when if isinstance(when, tuple) else (when,):
-        if any(name not in params for name, _ in a.terms):
-            return True
-        if a.eval(params) <= 0:
-            return False
-    return True
+    known = tuple(w for w in predicates(_predicate(op))
+                  if all(name in params for name, _ in w.terms))
+    return holds(known, params)
 
 
 def _assign_units(ops, kinds, spec, dma_split: bool) -> dict:
