@@ -47,7 +47,8 @@ Knobs (sampling instructions; ``None`` samples):
     (root annotation ``npu.list_schedule``, ``target/lowering/reorder.py``): with
     several row tiles the matrix unit starts tile ``r + 1``'s projection while the
     vector unit normalises tile ``r``; 0 (and a knob set from before it) keeps the loop
-    nest's order;
+    nest's order. A build's default knobs take the order the lowering's plan estimates
+    faster (2, ``LIST_SCHEDULE_AUTO``) and record it as 0 or 1;
 ``<stage>.tile_n``, ``<stage>.tile_k``, ``<stage>.slots_w``, ``<stage>.slots_c``
     per matmul stage: output/reduction tile, weight-tile copies, accumulator-tile copies.
 """

@@ -22,7 +22,7 @@ from edgetvm.errors import CandidateRejected
 from edgetvm.npu_regions import default_knobs
 from edgetvm.target.builder import ProgramBuilder
 from edgetvm.target.isa import End, HostOp
-from edgetvm.target.lowering import lower_primfunc
+from edgetvm.target.lowering import LIST_SCHEDULE_AUTO, lower_primfunc
 from edgetvm.tir_schedules.attention import ATTENTION_LOWERING
 from edgetvm.tir_schedules.attention import DECODE_REVISION, PREFILL_REVISION
 from edgetvm.tir_schedules.attention import schedule_decode_attention, schedule_prefill_attention
@@ -196,7 +196,8 @@ class KernelBuilder:
 
     def _lower_cluster(self, cluster: FusionCluster, knobs: dict | None = None):
         """The cluster lowered with ``knobs`` (the :func:`schedule_cluster` keyword
-        arguments), or with the first default set that fits."""
+        arguments), or with the first default set that fits, in the order (loop nest or
+        list schedule) the lowering's plan estimates faster (``LIST_SCHEDULE_AUTO``)."""
         zeros = {n: np.zeros(cluster.tensors[n][0], cluster.tensors[n][1])
                  for n in cluster.consts}
         func = cluster.prim_func()
@@ -216,10 +217,15 @@ class KernelBuilder:
                 knobs["tile_n"] = int(_shape_of(cluster, cluster.stages[-1].output)[1])
             sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
             try:
-                schedule_cluster(sch, **knobs)
-                return lower_cluster(cluster, sch, self.spec, zeros), knobs
+                schedule_cluster(sch, **knobs, list_schedule=LIST_SCHEDULE_AUTO)
+                program = lower_cluster(cluster, sch, self.spec, zeros)
             except CandidateRejected as e:
                 err = e
+                continue
+            # the order the lowering's plan took, as an explicit knob: the same knob set
+            # lowers to the same program (a log's record of the defaults replays them)
+            knobs["list_schedule"] = int(program.metadata["list_scheduled"])
+            return program, knobs
         raise BuildError(f"no default schedule of cluster {cluster.name} fits "
                          f"{self.spec.name}: {err}")
 

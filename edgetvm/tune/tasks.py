@@ -24,8 +24,8 @@ the log where it has some, else its default knobs.
 A candidate is measured **in context** (:func:`~edgetvm.build.measure.measure_in_context`):
 linked between the kernels before and after the task's first occurrence, with their
 default knobs and the linker's cross-kernel prefetch, less those two neighbours linked
-alone. :attr:`Task.context` names that context; records measured in another one are
-not compared with it.
+alone. :attr:`Task.context` names that context (the neighbours' keys and
+:data:`DEFAULTS_REVISION`); records measured in another one are not compared with it.
 """
 from __future__ import annotations
 
@@ -53,6 +53,13 @@ from .log import canonical_knobs, workload_hash
 
 log = logging.getLogger("edgetvm")
 
+#: what the build's default knobs lower to, part of every measuring context: kernels are
+#: measured between neighbours at their defaults, and a cut set with its untuned clusters
+#: at theirs, so a record measured with other defaults is another measurement.
+#: 2: default clusters take the order their lowering's plan estimates faster
+#: (``LIST_SCHEDULE_AUTO``); 1 (the hash without a revision): the loop nest's order
+DEFAULTS_REVISION = 2
+
 
 @dataclass
 class Task:
@@ -76,9 +83,11 @@ class Task:
                      for grp in (self.before, self.after))
 
     def set_context(self, mc) -> None:
-        """:attr:`context`: the hash of the neighbouring kernels' keys."""
+        """:attr:`context`: the hash of the neighbouring kernels' keys and the defaults'
+        revision."""
         self.context = workload_hash("|".join(
-            "" if nk is None else nk.key for nk in self.context_kernels(mc)))[:16]
+            "" if nk is None else nk.key for nk in self.context_kernels(mc))
+            + f"|defaults {DEFAULTS_REVISION}")[:16]
 
     def occurs_in(self, key) -> None:
         """Count one occurrence in the phase program ``key`` ((phase, rows, pages))."""

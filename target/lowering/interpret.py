@@ -25,7 +25,8 @@ Root block annotation ``"npu.tcm_fresh"``: 1 gives every TCM buffer bytes no oth
 uses while they all fit (``tcm_alloc.plan_tcm``), 0 (and no annotation) lets buffers that
 are never live at once share bytes. Root block annotation ``"npu.list_schedule"``: 1
 reorders the ops for overlap within their dependencies (``reorder.list_schedule``), 0
-(and no annotation) keeps the loop nest's order.
+(and no annotation) keeps the loop nest's order, 2 (``reorder.AUTO``) takes whichever of
+the two the lowering's plan estimates faster (``reorder.in_order_makespan``).
 """
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ class Interpreter:
         self.scalars: dict = {}   # var_key(scalar parameter) -> Affine runtime parameter
         self.dma_split = False    # root block "npu.dma_split": stores get their own channel
         self.tcm_fresh = False    # root block "npu.tcm_fresh": TCM bytes of its own per buffer
-        self.list_schedule = False  # root block "npu.list_schedule": reorder for overlap
+        self.list_schedule = 0      # root block "npu.list_schedule": 1 reorder, 2 auto
         for p in func.params:          # TVM 0.27: buffer params are Vars of BufferType
             if isinstance(p.ty, BufferType):
                 self.buffers[p] = "runtime" if p.name in self.exprs.runtime else "param"
@@ -179,7 +180,7 @@ class Interpreter:
             if "npu.tcm_fresh" in block.annotations:
                 self.tcm_fresh = bool(_ann(block.annotations, "npu.tcm_fresh"))
             if "npu.list_schedule" in block.annotations:
-                self.list_schedule = bool(_ann(block.annotations, "npu.list_schedule"))
+                self.list_schedule = int(_ann(block.annotations, "npu.list_schedule"))
             for buf in block.alloc_buffers:
                 self.buffers[buf] = "tcm" if buf.scope() == TCM_SCOPE else "dram_scratch"
             for iv, val in zip(block.iter_vars, stmt.iter_values):

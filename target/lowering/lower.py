@@ -23,7 +23,7 @@ from ..builder import ProgramBuilder
 from ..isa import (VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, Mma, TcmRef, Vector,
                    holds, predicates)
 from .interpret import Interpreter
-from .reorder import estimated_cycles, list_schedule
+from .reorder import AUTO, estimated_cycles, in_order_makespan, list_schedule
 from .sync import insert_events
 from .tcm_alloc import locate, plan_tcm, row_major_strides
 
@@ -60,6 +60,9 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
         predicated off at them costs nothing in the plan. The program still serves every
         value; only the order is chosen for these. None: every op is planned as running
         (``tir_schedules/attention.py`` says what that cost a chunked prefill attention).
+
+    The program's ``metadata["list_scheduled"]`` says which order it runs in (with
+    ``npu.list_schedule`` 2, the one the plan estimated faster).
     """
     consts = dict(consts or {})
     fills = func.attrs.get(FILL_CONSTS) if func.attrs is not None else None
@@ -78,10 +81,16 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     tcm, tcm_bytes = plan_tcm(ops, kinds, spec, fresh=interp.tcm_fresh,
                               instance_depth={str(k): int(v) for k, v in (inst or {}).items()})
     units = _assign_units(ops, kinds, spec, interp.dma_split)
+    list_scheduled = False
     if interp.list_schedule:
-        ops = list_schedule(ops, units, kinds, tcm, lambda op: estimated_cycles(
-            _commands(op, units[op.index], kinds, tcm), spec)
-            if runs_at(op, plan_params) else 0.0)
+        def cost(op):
+            return estimated_cycles(_commands(op, units[op.index], kinds, tcm), spec) \
+                if runs_at(op, plan_params) else 0.0
+        planned = list_schedule(ops, units, kinds, tcm, cost)
+        if interp.list_schedule != AUTO or \
+                in_order_makespan(planned, units, kinds, tcm, cost, spec) <= \
+                in_order_makespan(ops, units, kinds, tcm, cost, spec):
+            ops, list_scheduled = planned, True
     waits, signals = insert_events(ops, units, kinds, tcm)
 
     b = ProgramBuilder(name, spec)
@@ -111,6 +120,7 @@ def lower_primfunc(func: tirx.PrimFunc, spec, name: str = "kernel", outputs=None
     for p in interp.params:
         b.param(p)
     return b.build(tcm_bytes=tcm_bytes, tile_ops=len(ops), template_consts=template_consts,
+                   list_scheduled=list_scheduled,
                    tcm_buffers={t.name: {"offset": t.offset, "footprint": list(t.footprint),
                                          "slots": t.slots} for t in tcm.values()})
 

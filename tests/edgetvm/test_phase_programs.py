@@ -596,3 +596,29 @@ def test_the_attention_order_is_planned_for_the_buckets_worst_case(monkeypatch):
     mc.program("decode", 1, 4)
     assert ("prefill_attention", {"pos": 16, "valid_len": 32}) in seen
     assert ("decode_attention", {"pos": 63, "valid_len": 64}) in seen
+
+
+def test_default_clusters_record_the_order_they_were_lowered_in():
+    """A build's default clusters take the order (loop nest or list schedule) the
+    lowering's plan estimates faster, and their knobs say which, as 0 or 1 (never the
+    AUTO value): lowering a cluster again with its recorded knobs, as a log's record of
+    the defaults replays them, gives the same program bytes. The bundled-size Llama's
+    prefill-128 and decode programs use both orders (the list schedule for most prefill
+    clusters, the loop order for the decode projections)."""
+    from edgetvm.target import program_format
+    path = str(_path("llama"))
+    mc = ModelCompiler(path, max_tokens=MAX_TOKENS, strategy="local", max_rows=128)
+    again = ModelCompiler(path, max_tokens=MAX_TOKENS, strategy="local", max_rows=128)
+    seen = set()
+    for key in (("prefill", 128, 8), ("decode", 1, 8)):
+        g, g2 = mc.graph(*key), again.graph(*key)
+        for grp in mc.partition(g):
+            if g.ops[grp[0]].kind != "stage":
+                continue
+            k = mc.kernels.kernel(g, grp, g.consumers())
+            ls = k.knobs["list_schedule"]
+            assert ls in (0, 1) and k.program.metadata["list_scheduled"] is bool(ls)
+            seen.add(ls)
+            replayed = again.kernels.kernel(g2, grp, g2.consumers(), knobs=dict(k.knobs))
+            assert program_format.dumps(replayed.program) == program_format.dumps(k.program)
+    assert seen == {0, 1}

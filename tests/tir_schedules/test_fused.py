@@ -364,6 +364,55 @@ def test_list_schedule_overlaps_row_tiles_and_changes_no_number(slots_in, tcm_fr
     assert runs["listed"].counters.total_cycles < 0.95 * runs["plain"].counters.total_cycles
 
 
+def _down_residual(m):
+    """SmolLM2's down projection and residual add (``local``'s cluster), fp16."""
+    t = {"x": ((m, INTER), "float16"), "down_w": ((HIDDEN, INTER), "float16"),
+         "r": ((m, HIDDEN), "float16")}
+    stages = [Stage("linear_fp16", ("x", "down_w"), "lin"), Stage("add", ("lin", "r"), "out")]
+    cluster = FusionCluster("down_residual", t, stages, ("out",), ("down_w",))
+    d = _data(cluster, seed=8)
+    d["down_w"] = (d["down_w"] * np.float16(0.03)).astype(np.float16)
+    ref = {"out": _r16(d["x"].astype(F32) @ d["down_w"].astype(F32).T) + d["r"].astype(F32)}
+    return cluster, d, ref, dict(tile_m=m, slots_in=2, slots_out=2, dma_split=1, tcm_fresh=1,
+                                 matmul={"lin": dict(tile_n=256, tile_k=INTER, slots_w=2,
+                                                     slots_c=2)})
+
+
+def _qkv_row_tiles(m):
+    cluster = fused.norm_qkv_rope_cluster(m, HIDDEN, N_Q, N_KV, HEAD_DIM, GROUP)
+    d = _data(cluster, seed=6)
+    return cluster, d, _qkv_ref(d), dict(
+        tile_m=m // 2, slots_in=2, slots_out=2, dma_split=1, tcm_fresh=1,
+        matmul=_mm(QKV, tile_n=192, tile_k=576, slots_w=2, slots_c=2))
+
+
+@pytest.mark.parametrize("case,listed_faster", [(_qkv_row_tiles, True),
+                                                (_down_residual, False)])
+def test_the_auto_order_is_the_one_the_emulator_measures_faster(case, listed_faster):
+    """``list_schedule=2`` (``LIST_SCHEDULE_AUTO``, a build's default) lowers to exactly
+    the program of whichever of the two orders the lowering's plan estimates faster, and
+    says which in ``metadata["list_scheduled"]``. Two clusters where the emulator ranks
+    the orders oppositely: two row tiles of the QKV prologue overlap list-scheduled; the
+    128-row down projection with its residual add runs slower list-scheduled (the plan
+    front-loads weight DMAs on both channels, which share one bus). A choice that ignored
+    the estimate, or inverted it, takes the slower program in one of them."""
+    from edgetvm.target import program_format
+    from edgetvm.target.lowering import LIST_SCHEDULE_AUTO
+    cluster, d, ref, knobs = case(128)
+    progs = {ls: _lower(cluster, d, list_schedule=ls, **knobs) for ls in (0, 1)}
+    cycles = {ls: Emulator(SPEC).run(p, _inputs(cluster, d)).counters.total_cycles
+              for ls, p in progs.items()}
+    if listed_faster:
+        assert cycles[1] < 0.95 * cycles[0]
+    else:
+        assert cycles[1] > 1.05 * cycles[0]
+    auto = _lower(cluster, d, list_schedule=LIST_SCHEDULE_AUTO, **knobs)
+    want = 1 if listed_faster else 0
+    assert auto.metadata["list_scheduled"] is bool(want)
+    assert program_format.dumps(auto) == program_format.dumps(progs[want])
+    _check(Emulator(SPEC).run(auto, _inputs(cluster, d)).outputs, ref)
+
+
 def _no_sync(cmd):
     """A command without its events (the order changes them, not what it does)."""
     return dataclasses.replace(cmd, wait=(), signal=())
