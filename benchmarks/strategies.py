@@ -14,8 +14,9 @@ number of clusters (kernels), and latency relative to ``op-library`` in the same
 model decode row also gives its latency against the bandwidth roofline (the bytes a step
 must move: every weight, one embedding row, the KV read and the new K/V written), a model
 prefill row against the compute roofline (the MACs a step must do at the matrix unit's
-peak: every linear on the rows it computes, the logits of the last position only, and
-causal attention, each query against the keys up to its own position) and against the
+peak: every linear on the rows it computes, the last layer after its attention and the
+logits on the last position only, and causal attention, each query against the keys up
+to its own position, in the last layer the last query only) and against the
 bound its measured energy sets under the profile's budget (:func:`energy_bound`).
 Every strategy uses the same default (untuned) knobs per kernel; ``edgellm`` chooses its
 cut points from emulator measurements of candidate clusters (edgetvm/build/search.py).
@@ -189,12 +190,16 @@ class Bench:
 
     def compute_roofline(self, graph, cached) -> float:
         """Cycles to do the MACs a step must do at the matrix unit's peak: each linear's
-        rows x N x K as the graph computes it (prefill's logits for the last position
-        only), and attention's QK^T and PV over the keys each query sees (causal: query
-        ``i`` of a prompt at position ``cached`` sees ``cached + i + 1`` keys)."""
+        rows x N x K as the graph computes it (prefill: the last layer after its attention,
+        the lm_head included, on the last position only), and attention's QK^T and PV
+        over the keys each query sees (causal: query ``i`` of a prompt at position
+        ``cached`` sees ``cached + i + 1`` keys); of the last layer's attention only the
+        last query's, the one row its consumers read (its K and V are the cache's, so
+        the projections still count every row)."""
         spec = self.mc.spec
         cycles = 0.0
-        for op in graph.ops:
+        attns = [i for i, op in enumerate(graph.ops) if op.kind == "attention"]
+        for i, op in enumerate(graph.ops):
             if op.kind == "stage" and op.stage.op.startswith("linear"):
                 (out,) = op.outputs.values()
                 rows, n = int(np.prod(out.shape[:-1])), int(out.shape[-1])
@@ -205,6 +210,8 @@ class Bench:
             elif op.kind == "attention":
                 rows = int(op.inputs["q"].shape[0])
                 keys = rows * cached + rows * (rows + 1) // 2
+                if i == attns[-1] and _last_row_only(graph.ops[i + 1:]):
+                    keys = cached + rows                         # the last query's alone
                 cycles += (2 * keys * op.attrs["q_heads"] * op.attrs["head_dim"]
                            / spec.mma_macs_per_cycle["fp16"])
         return cycles
@@ -229,6 +236,12 @@ class Bench:
         tol = DEFAULT_ATOL + DEFAULT_RTOL * float(np.abs(ref).max())
         return dict(max_abs_diff=diff, tolerance=tol, numerics_ok=diff <= tol,
                     same_argmax=int(np.argmax(logits)) == int(np.argmax(ref)))
+
+
+def _last_row_only(ops) -> bool:
+    """Do these ops (those after the last attention) all compute one row?"""
+    outs = [t for op in ops for t in op.outputs.values()]
+    return bool(outs) and all(int(np.prod(t.shape[:-1])) == 1 for t in outs)
 
 
 def energy_bound(spec, counters, profile: str) -> float:

@@ -198,6 +198,8 @@ _GLUE = {"relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.ex
 #: elementwise host ops on device values that have an NPU stage
 _ELEMENTWISE = {"relax.add", "relax.multiply", "relax.subtract", "relax.divide"}
 _POSITION_INPUTS = ("position_ids", "attention_mask")
+#: region kinds whose rows are not computed from the same rows of their inputs alone
+_ROW_MIXING = ("embedding", "kv_append", "attention", "rope")
 #: elementwise Relax ops the host runs when no NPU stage takes them (a ``host`` op)
 _HOST_OPS = {f"relax.{n}" for n in (*HOST_UNARY, *HOST_BINARY)}
 
@@ -271,6 +273,12 @@ class _Extractor:
         self.tensors[name] = Tensor(name, tuple(int(s) for s in shape), dtype, kind, data)
         return View.whole(name, shape)
 
+    def _last(self, view: View, last: bool) -> View:
+        """``view`` (a new tensor), noted as holding the last row only when ``last``."""
+        if last:
+            self.last_tensors.add(view.tensor)
+        return view
+
     def const(self, name: str, array: np.ndarray) -> View:
         a = np.ascontiguousarray(array)
         return self.new_tensor(name, a.shape, "const", str(a.dtype), a)
@@ -280,8 +288,8 @@ class _Extractor:
         for p in self.main.params:
             self.env[p] = self._param_value(p)
         logits_var = self._logits_var()
-        self.logits_chain = self._logits_chain(logits_var)
-        self.logits_producer = self.defs.get(self.logits_chain[-1])
+        self.last_vars = self._last_row_vars(logits_var)
+        self.last_tensors: set = set()       # tensors of the ops in last_vars: one row
         for blk in self.main.body.blocks:
             for b in blk.bindings:
                 self._current = b
@@ -326,20 +334,73 @@ class _Extractor:
         fields = out.fields if isinstance(out, relax.Tuple) else [out]
         return fields[0]
 
-    def _logits_chain(self, var) -> list:
-        """The logits var, then each var it is scaled from (Granite's ``logits / c``), up to
-        the one an NPU kernel (the lm_head) returns: these are row-local, so when only the
-        last row's logits are read, each is computed for that row alone."""
-        chain = [var]
-        while True:
-            value = self.defs.get(chain[-1])
-            if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and
-                    value.op.name in _ELEMENTWISE | _HOST_OPS | {"relax.astype"}):
-                return chain
-            dev = [a for a in value.args if isinstance(a, relax.Var)]
-            if len(dev) != 1:
-                return chain
-            chain.append(dev[0])
+    def _last_row_vars(self, logits_var) -> set:
+        """The vars of which only the last prompt row is read, when the caller reads only
+        the last row's logits (prefill): a backward pass from the logits through row-local
+        ops (linears, norms, MLPs, residual adds, elementwise ops: row ``i`` of the result
+        reads row ``i`` of each input), stopping at ops that mix rows (attention), keep
+        them all (the KV append, the present K/V outputs) or re-address them (glue). A var
+        is in the set when every op that reads it is a row-local op computing the last
+        row only: so the last layer's output projection, MLP and residual adds, the final
+        norm and the lm_head run on that row alone, as llama.cpp's graphs skip the unused
+        rows in their last layer (``inp_out_ids``); its attention still computes every
+        row, whose K and V the cache keeps."""
+        if self.logits_rows != "last" or self.rows <= 1:
+            return set()
+        body = self.main.body.body
+        out = self.defs.get(body, body) if isinstance(body, relax.Var) else body
+        wants: dict = {}                     # var -> demands of the ops that read it
+        for v in _vars_in(out):              # the outputs: the logits and the present K/V
+            wants.setdefault(v, set()).add("last" if v.same_as(logits_var) else "all")
+        last = set()
+        bindings = [b for blk in self.main.body.blocks for b in blk.bindings]
+        for b in reversed(bindings):
+            if b.var.same_as(body):
+                continue                     # the output tuple: its fields are seeded
+            mine = wants.get(b.var)
+            row_local = mine == {"last"} and self._row_local(b.var, b.value)
+            if row_local:
+                last.add(b.var)
+            rows = self._rows_of(b.var) if row_local else None
+            for a in _vars_in(b.value):
+                same = row_local and self._rows_of(a) == rows
+                wants.setdefault(a, set()).add("last" if same else "all")
+        return last
+
+    def _row_local(self, var, value) -> bool:
+        """Is row ``i`` of ``var`` computed from row ``i`` of each input alone?"""
+        if not isinstance(getattr(var, "ty", None), relax.TensorType):
+            return False
+        if isinstance(value, relax.Var):
+            return True
+        if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+            return False
+        name = value.op.name
+        if name == "relax.call_pure_packed":
+            region = self.regions.get(str(value.args[0].global_symbol))
+            return region is not None and region.kind not in _ROW_MIXING and \
+                not any(passthrough_outputs(region.func))
+        return name in _ELEMENTWISE | _HOST_OPS | {"relax.astype"}
+
+    def _rows_of(self, var):
+        """The product of a tensor var's leading dimensions in this bucket (None: not a
+        tensor of known shape)."""
+        if not isinstance(getattr(var, "ty", None), relax.TensorType):
+            return None
+        try:
+            shape = self.shape(var.ty, var.name)
+        except BuildError:
+            return None
+        return int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+
+    def _row_input(self, view: View, rows: int, cols: int, what: str, last: bool) -> View:
+        """A (rows, cols) view of an op's input; for an op that computes the last row only
+        (``last``), an input holding every row is read at the runtime row ``last_row``."""
+        if last and view.tensor not in self.last_tensors and view.size != cols:
+            v = self.rows_view(view, view.size // cols, cols, what)
+            return View(v.tensor, (1, cols), v.strides, v.offset).shifted(
+                Affine.param("last_row", v.strides[0]))
+        return self.rows_view(view, rows, cols, what)
 
     def _param_value(self, p):
         name = p.name
@@ -491,7 +552,8 @@ class _Extractor:
     # -- host arithmetic with an NPU stage ---------------------------------------------------
     def _elementwise(self, var, name, args):
         out_shape = self.shape(var.ty, var.name)
-        if self.logits_rows == "last" and var in self.logits_chain[:-1]:
+        last = var in self.last_vars
+        if last:
             out_shape = (1,) * (len(out_shape) - 1) + (out_shape[-1],)   # the last row's
         rows = int(np.prod(out_shape[:-1], dtype=np.int64)) if len(out_shape) > 1 else 1
         cols = out_shape[-1]
@@ -507,11 +569,12 @@ class _Extractor:
                     if c == 0.0:
                         raise BuildError(f"{var.name} = divide by the constant 0")
                     c = 1.0 / c
-                same = dev[0].view.reshape(out_shape) if c == 1.0 else None
-                if same is not None:                  # x * 1 (a multiplier set to 1)
-                    return Dev(same)
-                x = self.rows_view(dev[0].view, rows, cols, var.name)
-                out = self.new_tensor(f"{var.name}", (rows, cols))
+                x = self._row_input(dev[0].view, rows, cols, var.name, last)
+                if c == 1.0:                          # x * 1 (a multiplier set to 1)
+                    same = x.reshape(out_shape)
+                    if same is not None:
+                        return Dev(same)
+                out = self._last(self.new_tensor(f"{var.name}", (rows, cols)), last)
                 self._stage(Stage("scale", ("x",), "y", {"imm": c}), {"x": x}, out, var.name)
                 return Dev(out.reshape(out_shape))
             gain = self._row_gain(var, name, dev, const, out_shape)
@@ -524,12 +587,13 @@ class _Extractor:
         views = []
         for a in args:
             if isinstance(a, Dev):
-                views.append(self.rows_view(a.view, rows, cols, var.name))
+                views.append(self._row_input(a.view, rows, cols, var.name, last))
             elif isinstance(a, Pos):
-                views.append(self.position_view(a.var, rows, cols))
+                v = self.position_view(a.var, rows, cols)
+                views.append(v.shifted(Affine.param("last_row", cols)) if last else v)
             else:
                 raise BuildError(f"{var.name} = add of a {type(a).__name__}: no NPU stage")
-        out = self.new_tensor(f"{var.name}", (rows, cols))
+        out = self._last(self.new_tensor(f"{var.name}", (rows, cols)), last)
         self._stage(Stage("add", ("x", "x2"), "y"), {"x": views[0], "x2": views[1]}, out,
                     var.name)
         return Dev(out.reshape(out_shape))
@@ -544,16 +608,18 @@ class _Extractor:
         while w.ndim and w.shape[0] == 1:
             w = w.reshape(w.shape[1:])
         k = w.ndim
+        last = var in self.last_vars
         if k == 0 or k > len(out_shape) or tuple(out_shape[-k:]) != w.shape or \
-                tuple(dev[0].view.shape) != tuple(out_shape):
+                (not last and tuple(dev[0].view.shape) != tuple(out_shape)):
             return None
         cols = int(np.prod(w.shape))
         rows = int(np.prod(out_shape[:-k], dtype=np.int64))
-        x = dev[0].view.reshape((rows, cols))
-        if x is None:                         # not one strided window: the host op takes it
+        try:
+            x = self._row_input(dev[0].view, rows, cols, var.name, last)
+        except BuildError:                    # not one strided window: the host op takes it
             return None
         weights = self.const(f"{var.name}.w", w.reshape(cols).astype(np.float16))
-        out = self.new_tensor(f"{var.name}", (rows, cols))
+        out = self._last(self.new_tensor(f"{var.name}", (rows, cols)), last)
         self._stage(Stage("mul_vec", ("x", "w"), "y"), {"x": x, "w": weights}, out, var.name)
         return Dev(out.reshape(out_shape))
 
@@ -563,7 +629,7 @@ class _Extractor:
         their own (a view that is not one is copied into one by an NPU stage first), its
         constants from the weight pack, its result a new tensor."""
         out_shape = self.shape(var.ty, var.name)
-        last = self.logits_rows == "last" and var in self.logits_chain[:-1]
+        last = var in self.last_vars
         if last:
             out_shape = (1,) * (len(out_shape) - 1) + (out_shape[-1],)   # the last row's
         inputs, shapes = {}, {}
@@ -571,12 +637,17 @@ class _Extractor:
             if isinstance(a, Const):
                 v = self.const(f"{var.name}.c{i}", np.asarray(a.value, np.float16))
             else:
-                v = self._whole(a.view, f"{var.name}.x{i}")
+                v = a.view
+                if last and v.tensor not in self.last_tensors and v.size != v.shape[-1]:
+                    cols = v.shape[-1]
+                    v = self._row_input(v, 1, cols, var.name, True).reshape(
+                        (1,) * (v.ndim - 1) + (cols,))
+                v = self._whole(v, f"{var.name}.x{i}")
                 self.tensors[v.tensor].kind = "host"
             inputs[f"x{i}"] = v
             shapes[f"shape{i}"] = shape_attr(v.shape)
         op, vname = str(name).split(".", 1)[1], str(var.name)
-        out = self.new_tensor(vname, out_shape, kind="host")
+        out = self._last(self.new_tensor(vname, out_shape, kind="host"), last)
         table = HOST_UNARY if len(args) == 1 else HOST_BINARY
         flops = out.size * table[op][1]
         self.ops.append(Op("host", vname, inputs, {"y": out},
@@ -837,19 +908,16 @@ class _Extractor:
                              f"data")
         y_shape = shapes[passthrough.index(False)] if passthrough else shapes[0]
         rows = int(np.prod(y_shape[:-1], dtype=np.int64)) if len(y_shape) > 1 else 1
-        last = self.logits_rows == "last" and region.kind in ("lm_head", "linear") and \
-            self.logits_producer is not None and _calls(self.logits_producer, region.symbol)
+        last = var in self.last_vars        # prefill: the last token's row only
         in_views = [a.view for a in values]
         order = None if last else _row_order(in_views, y_shape)
         if order is not None:                 # rows in the order memory holds them
             in_views = [v.permute(order) for v in in_views]
             y_shape = tuple(y_shape[a] for a in order)
-        views = [self.rows_view(v, rows, v.shape[-1], f"{region.kind} region "
-                                f"{region.index}") for v in in_views]
-        if last and rows > 1:                # prefill: the logits of the last token only
-            views = [View(v.tensor, (1, v.shape[1]), v.strides, v.offset).shifted(
-                Affine.param("last_row", v.strides[0])) for v in views]
+        if last:
             rows = 1
+        views = [self._row_input(v, rows, v.shape[-1], f"{region.kind} region "
+                                 f"{region.index}", last) for v in in_views]
         cluster, consts, _, _ = build_cluster(region, [(rows, v.shape[1]) for v in views])
         names = {}
         inputs = [n for n in cluster.tensors if n not in cluster.consts]
@@ -863,7 +931,7 @@ class _Extractor:
         prefix = f"r{region.index}"
         for st in cluster.stages:
             shape, _ = _stage_shape(cluster, st)
-            out = self.new_tensor(f"{prefix}.{st.output}", shape)
+            out = self._last(self.new_tensor(f"{prefix}.{st.output}", shape), last)
             names[st.output] = out
             self.ops.append(Op("stage", f"{prefix}.{st.output}",
                                {i: names[i] for i in st.inputs}, {st.output: out}, st, {},
@@ -902,6 +970,19 @@ def _row_order(views, y_shape):
     return None
 
 
+def _vars_in(e) -> list:
+    """The relax Vars an expression reads directly (through tuples)."""
+    if isinstance(e, relax.Var):
+        return [e]
+    if isinstance(e, relax.Tuple):
+        return [v for f in e.fields for v in _vars_in(f)]
+    if isinstance(e, relax.TupleGetItem):
+        return _vars_in(e.tuple_value)
+    if isinstance(e, relax.Call):
+        return [v for a in e.args for v in _vars_in(a)]
+    return []
+
+
 def _host_only(a) -> bool:
     """Is this value computed on the host from positions, constants and shapes alone?"""
     if isinstance(a, Tup):
@@ -929,14 +1010,6 @@ def _onnx_node(value) -> str:
     source = getattr(span, "source_name", None) if span is not None else None
     name = getattr(source, "name", "") if source is not None else ""
     return f" (ONNX node {name!r})" if name else ""
-
-
-def _calls(value, symbol: str) -> bool:
-    if isinstance(value, relax.TupleGetItem):
-        value = value.tuple_value
-    return isinstance(value, relax.Call) and value.args and \
-        isinstance(value.args[0], relax.ExternFunc) and \
-        str(value.args[0].global_symbol) == symbol
 
 
 def _token_major(view: View, heads: int, head_dim: int, rows: int, what: str) -> View:

@@ -622,3 +622,28 @@ def test_default_clusters_record_the_order_they_were_lowered_in():
             replayed = again.kernels.kernel(g2, grp, g2.consumers(), knobs=dict(k.knobs))
             assert program_format.dumps(replayed.program) == program_format.dumps(k.program)
     assert seen == {0, 1}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gemma2"])
+def test_the_last_layer_after_its_attention_runs_on_the_last_prompt_row_only(family):
+    """Only the last prompt row's logits are read, so everything after the last layer's
+    attention (output projection, residual adds, norms, MLP, final norm, lm_head, and the
+    host ops among them) computes that row alone, while the attention computes every row
+    (the KV cache keeps them all). Llama (sequential residual), GPT-NeoX (attention and MLP
+    in parallel from the same layer input) and Gemma 2 (norms after each sub-block, the
+    logits soft-capped on the host). A prompt of 5 tokens in the 8-row bucket: the row
+    read at run time is row 4, so a residual add, norm or MLP input read from the
+    bucket's last row (padding) or broadcast from the wrong row changes the answer."""
+    mc = _compiler(family, "regions")
+    g = mc.graph("prefill", 8, 1)
+    attn = max(i for i, op in enumerate(g.ops) if op.kind == "attention")
+    assert [t.shape[0] for t in g.ops[attn].outputs.values()] == [8]   # (rows, heads, d)
+
+    def rows(op):
+        return {int(np.prod(t.shape[:-1])) for t in op.outputs.values()}
+
+    after = [op for op in g.ops[attn + 1:] if op.outputs]
+    assert len(after) >= 8 and all(rows(op) == {1} for op in after), \
+        [(op.name, rows(op)) for op in after if rows(op) != {1}]
+    assert all(rows(op) != {1} for op in g.ops[:attn] if op.outputs)
+    _check(family, "regions", prompt=[5, 17, 42, 7, 9])
