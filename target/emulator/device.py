@@ -25,6 +25,7 @@ windows and throttling see one step's kernels as the device would:
 """
 from __future__ import annotations
 
+import os
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
@@ -43,6 +44,28 @@ from .power import PowerLog, governor_scale
 from .validate import check_dram_bounds, command_name, validate
 
 _EPS = 1e-9
+
+#: environment variables by which a user sets the BLAS library's thread count himself
+_BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_blas_limited = False          # set once per process (a forked child inherits the limit)
+
+
+def one_blas_thread() -> None:
+    """Run this process's BLAS (numpy's matmul, the MMAs' functional model) on one thread,
+    once per process, unless the user set a thread count (``OPENBLAS_NUM_THREADS``, ...).
+
+    An emulator's matmuls are tiles (16-512 rows), too small for BLAS threads to pay off,
+    and emulators run side by side: the tuner's forked workers, ``pytest -n 2``, servers
+    on one machine. OpenBLAS's threads spin while they wait for work, so two processes
+    with a thread per core each starve one another: two runs of SmolLM2's W4A16 artifact
+    side by side on 2 cores took 5.8 s each, 2.5 s with one thread (alone: 2.48 s and
+    2.42 s)."""
+    global _blas_limited
+    if _blas_limited or any(v in os.environ for v in _BLAS_THREAD_VARS):
+        return
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(1, user_api="blas")
+    _blas_limited = True
 
 
 @dataclass
@@ -142,6 +165,7 @@ class Emulator:
         self.profile = self.spec.profile(profile)
         self.units = [f"dma{c}" for c in range(self.spec.dma_channels)] + \
             ["matrix", "vector", "host"]
+        one_blas_thread()
         self.tcm = np.zeros(self.spec.tcm_bytes, dtype=np.uint8)
         self.tcm_init = TcmInit(self.spec.tcm_bytes)
         self.state: dict = {}
