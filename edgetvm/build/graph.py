@@ -198,8 +198,6 @@ _GLUE = {"relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.ex
 #: elementwise host ops on device values that have an NPU stage
 _ELEMENTWISE = {"relax.add", "relax.multiply", "relax.subtract", "relax.divide"}
 _POSITION_INPUTS = ("position_ids", "attention_mask")
-#: region kinds whose rows are not computed from the same rows of their inputs alone
-_ROW_MIXING = ("embedding", "kv_append", "attention", "rope")
 #: elementwise Relax ops the host runs when no NPU stage takes them (a ``host`` op)
 _HOST_OPS = {f"relax.{n}" for n in (*HOST_UNARY, *HOST_BINARY)}
 
@@ -378,7 +376,10 @@ class _Extractor:
         name = value.op.name
         if name == "relax.call_pure_packed":
             region = self.regions.get(str(value.args[0].global_symbol))
-            return region is not None and region.kind not in _ROW_MIXING and \
+            # row-local: the kinds :meth:`_region` lowers as row-wise clusters (a kind with
+            # a handler of its own, such as attention or RoPE, is not, unless proven so)
+            return region is not None and \
+                getattr(self, f"_region_{region.kind}", None) is None and \
                 not any(passthrough_outputs(region.func))
         return name in _ELEMENTWISE | _HOST_OPS | {"relax.astype"}
 
@@ -393,14 +394,27 @@ class _Extractor:
             return None
         return int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
 
-    def _row_input(self, view: View, rows: int, cols: int, what: str, last: bool) -> View:
-        """A (rows, cols) view of an op's input; for an op that computes the last row only
-        (``last``), an input holding every row is read at the runtime row ``last_row``."""
-        if last and view.tensor not in self.last_tensors and view.size != cols:
-            v = self.rows_view(view, view.size // cols, cols, what)
+    def _row_input(self, view: View, rows: int, cols: int, what: str,
+                   full_rows: int | None = None) -> View:
+        """A (rows, cols) view of an op's input. ``full_rows``: the op computes only the last
+        row of a result of that many rows (:meth:`_last_row_vars`); an input that is not
+        already one row of the same (:attr:`last_tensors`) must then hold every row, ``full_rows
+        x cols`` as the op would read them computing every row, and is read at the runtime
+        row ``last_row``. Decided by the shapes, not by a size: a (rows, 1) column under a
+        ``cols``-wide op is not one row of ``cols`` when rows == cols (it is refused, as it
+        is computing every row)."""
+        if full_rows and full_rows > 1 and view.tensor not in self.last_tensors:
+            if full_rows != self.rows:
+                raise BuildError(f"{what}: the last row of {full_rows} rows, not of the "
+                                 f"bucket's {self.rows}")
+            v = self.rows_view(view, full_rows, cols, what)
             return View(v.tensor, (1, cols), v.strides, v.offset).shifted(
                 Affine.param("last_row", v.strides[0]))
         return self.rows_view(view, rows, cols, what)
+
+    def _full_rows(self, var) -> int | None:
+        """The rows of ``var`` computing every row, when only its last is computed."""
+        return self._rows_of(var) if var in self.last_vars else None
 
     def _param_value(self, p):
         name = p.name
@@ -569,7 +583,7 @@ class _Extractor:
                     if c == 0.0:
                         raise BuildError(f"{var.name} = divide by the constant 0")
                     c = 1.0 / c
-                x = self._row_input(dev[0].view, rows, cols, var.name, last)
+                x = self._row_input(dev[0].view, rows, cols, var.name, self._full_rows(var))
                 if c == 1.0:                          # x * 1 (a multiplier set to 1)
                     same = x.reshape(out_shape)
                     if same is not None:
@@ -587,7 +601,8 @@ class _Extractor:
         views = []
         for a in args:
             if isinstance(a, Dev):
-                views.append(self._row_input(a.view, rows, cols, var.name, last))
+                views.append(self._row_input(a.view, rows, cols, var.name,
+                                             self._full_rows(var)))
             elif isinstance(a, Pos):
                 v = self.position_view(a.var, rows, cols)
                 views.append(v.shifted(Affine.param("last_row", cols)) if last else v)
@@ -615,7 +630,7 @@ class _Extractor:
         cols = int(np.prod(w.shape))
         rows = int(np.prod(out_shape[:-k], dtype=np.int64))
         try:
-            x = self._row_input(dev[0].view, rows, cols, var.name, last)
+            x = self._row_input(dev[0].view, rows, cols, var.name, self._full_rows(var))
         except BuildError:                    # not one strided window: the host op takes it
             return None
         weights = self.const(f"{var.name}.w", w.reshape(cols).astype(np.float16))
@@ -639,8 +654,8 @@ class _Extractor:
             else:
                 v = a.view
                 if last and v.tensor not in self.last_tensors and v.size != v.shape[-1]:
-                    cols = v.shape[-1]
-                    v = self._row_input(v, 1, cols, var.name, True).reshape(
+                    cols = v.shape[-1]            # not one row: a row per row of var
+                    v = self._row_input(v, 1, cols, var.name, self._full_rows(var)).reshape(
                         (1,) * (v.ndim - 1) + (cols,))
                 v = self._whole(v, f"{var.name}.x{i}")
                 self.tensors[v.tensor].kind = "host"
@@ -916,8 +931,9 @@ class _Extractor:
             y_shape = tuple(y_shape[a] for a in order)
         if last:
             rows = 1
+        full = self._full_rows(var)
         views = [self._row_input(v, rows, v.shape[-1], f"{region.kind} region "
-                                 f"{region.index}", last) for v in in_views]
+                                 f"{region.index}", full) for v in in_views]
         cluster, consts, _, _ = build_cluster(region, [(rows, v.shape[1]) for v in views])
         names = {}
         inputs = [n for n in cluster.tensors if n not in cluster.consts]

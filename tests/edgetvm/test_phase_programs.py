@@ -647,3 +647,81 @@ def test_the_last_layer_after_its_attention_runs_on_the_last_prompt_row_only(fam
         [(op.name, rows(op)) for op in after if rows(op) != {1}]
     assert all(rows(op) != {1} for op in g.ops[:attn] if op.outputs)
     _check(family, "regions", prompt=[5, 17, 42, 7, 9])
+
+
+def _last_layer_rewritten(tmp_path, kind):
+    """The tiny Llama with its last layer's residual input ``h`` (the input norm's input)
+    rewritten so that the ops computing the last row alone read every-row inputs through
+    the paths the shipped families do not take:
+
+    * ``host_position``: ``|h| + position_ids * c``: a host op (Abs) on an input holding
+      every row, then an add of a position table, both to be read at row ``last_row``;
+    * ``column_gain``: ``h + h[..., 0:1] * w``, ``w`` a constant of the hidden width: a
+      (rows, 1) column times a gain, which is not one row of the gain's width even where
+      the bucket's rows equal the hidden width (it stays on the host)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    m = onnx.load(str(_path("llama")))
+    g = m.graph
+    h, add = "/model/layers.1/input_layernorm/Cast_output_0", "/model/layers.1/Add"
+    idx = next(i for i, n in enumerate(g.node) if n.name == add)
+    assert g.node[idx].input[0] == h
+    width = next(numpy_helper.to_array(i) for i in g.initializer
+                 if i.name == "model.embed_tokens.weight").shape[1]
+    rng = np.random.default_rng(1)
+    consts = {"t_ax": np.asarray([2], np.int64), "t_s": np.asarray([0], np.int64),
+              "t_e": np.asarray([1], np.int64),
+              "t_c": (rng.uniform(-1, 1, (1, 1, width)) * 0.05).astype(np.float32),
+              "t_w": rng.uniform(0.5, 1.5, width).astype(np.float32)}
+    g.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
+    node = helper.make_node
+    if kind == "host_position":
+        new = [node("Abs", [h], ["t_abs"]),
+               node("Cast", ["position_ids"], ["t_pf"], to=TensorProto.FLOAT),
+               node("Unsqueeze", ["t_pf", "t_ax"], ["t_pu"]),
+               node("Mul", ["t_pu", "t_c"], ["t_p"]),
+               node("Add", ["t_abs", "t_p"], ["t_out"])]
+    else:
+        new = [node("Slice", [h, "t_s", "t_e", "t_ax"], ["t_col"]),
+               node("Mul", ["t_col", "t_w"], ["t_g"]),
+               node("Add", [h, "t_g"], ["t_out"])]
+    g.node[idx].input[0] = "t_out"
+    for k, n in enumerate(new):
+        g.node.insert(idx + k, n)
+    onnx.checker.check_model(m)
+    path = tmp_path / f"llama_{kind}.onnx"
+    onnx.save(m, str(path))
+    return path, width
+
+
+@pytest.mark.parametrize("kind", ["host_position", "column_gain"])
+def test_the_last_rows_inputs_are_read_by_shape_whatever_op_reads_them(tmp_path, kind):
+    """Token-exact against onnxruntime where the last layer's residual input is a host op
+    with a position table added (the host op's and the table's rows shifted to
+    ``last_row``), or a (rows, 1) column times a hidden-width gain in a bucket of as many
+    rows as the hidden width: read by its size, that column passed for one row of the
+    gain's width and the answer changed (token 76 where onnxruntime says 346)."""
+    path, width = _last_layer_rewritten(tmp_path, kind)
+    buckets = (8, 16) if kind == "host_position" else (16, width)
+    mc = ModelCompiler(str(path), max_tokens=MAX_TOKENS, strategy="regions",
+                       max_rows=buckets[-1])
+    g = mc.graph("prefill", buckets[-1], -(-buckets[-1] // mc.page_tokens))
+    host = [op for op in g.ops if op.kind == "host"]
+    assert host and all(int(np.prod(t.shape[:-1])) == 1
+                        for op in host for t in op.outputs.values())
+    d = mc.graph("decode", 1, 1)
+    info = ModelInfo(d.layers, d.kv_heads, d.head_dim, mc.page_tokens, mc.max_tokens,
+                     int(d.tensors["logits"].shape[-1]))
+    runner = ModelRunner(lambda key: mc.program(*key), mc.phase_keys(buckets), info,
+                         LocalRunner(mc.spec))
+    ref_run, names, kv = onnxruntime_model(path)
+    for n in (5, 9) if kind == "host_position" else (12, width - 24):
+        prompt = [int(t) for t in np.random.default_rng(n).integers(0, 512, n)]
+        want, calls = greedy_loop(ref_run, names, kv, prompt, 2)
+        recs = runner.generate(prompt, 2)
+        assert recs[0].program.startswith(f"prefill_{-(-n // 8) * 8 if n <= 16 else width}")
+        assert [r.token for r in recs] == want, (kind, n)
+        for rec, call in zip(recs, calls):
+            ref = call["logits"][0, -1]
+            assert float(np.abs(rec.logits - ref).max()) <= 0.01 + 0.01 * float(
+                np.abs(ref).max()), (kind, n)
