@@ -58,7 +58,7 @@ def one_blas_thread() -> None:
     and emulators run side by side: the tuner's forked workers, ``pytest -n 2``, servers
     on one machine. OpenBLAS's threads spin while they wait for work, so two processes
     with a thread per core each starve one another: two runs of SmolLM2's W4A16 artifact
-    side by side on 2 cores took 5.8 s each, 2.5 s with one thread (alone: 2.48 s and
+    side by side on 2 cores took 11.8 s each, 2.4 s with one thread (alone: 2.27 s and
     2.42 s)."""
     global _blas_limited
     if _blas_limited or any(v in os.environ for v in _BLAS_THREAD_VARS):
