@@ -401,8 +401,8 @@ class _Extractor:
         already one row of the same (:attr:`last_tensors`) must then hold every row, ``full_rows
         x cols`` as the op would read them computing every row, and is read at the runtime
         row ``last_row``. Decided by the shapes, not by a size: a (rows, 1) column under a
-        ``cols``-wide op is not one row of ``cols`` when rows == cols (it is refused, as it
-        is computing every row)."""
+        ``cols``-wide op is not one row of ``cols`` when rows == cols; it raises BuildError,
+        as it does where the op computes every row (a gain then stays on the host)."""
         if full_rows and full_rows > 1 and view.tensor not in self.last_tensors:
             if full_rows != self.rows:
                 raise BuildError(f"{what}: the last row of {full_rows} rows, not of the "

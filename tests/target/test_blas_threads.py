@@ -3,6 +3,7 @@ user set a thread count: emulators run side by side (forked tuner workers, ``pyt
 servers), and BLAS threads spinning on every core made them starve one another."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 _PROBE = """
-import os, multiprocessing as mp
+import json, multiprocessing as mp
 import numpy  # noqa: F401  (loads the BLAS library)
 from threadpoolctl import threadpool_info
 def blas():
@@ -23,7 +24,7 @@ def child(q):
 q = mp.get_context("fork").Queue()
 p = mp.get_context("fork").Process(target=child, args=(q,))
 p.start(); p.join()
-print(before, blas(), q.get())
+print(json.dumps([before, blas(), q.get()]))
 """
 
 
@@ -33,7 +34,7 @@ def _probe(env_extra: dict) -> tuple:
     env.update(env_extra)
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
                          text=True, timeout=120, check=True).stdout.strip().splitlines()[-1]
-    return tuple(eval(part) for part in out.replace("] [", "]|[").split("|"))  # noqa: S307
+    return tuple(json.loads(out))       # BLAS threads before, after an Emulator, forked
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="BLAS has one thread anyway")
