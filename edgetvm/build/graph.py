@@ -567,6 +567,7 @@ class _Extractor:
     def _elementwise(self, var, name, args):
         out_shape = self.shape(var.ty, var.name)
         last = var in self.last_vars
+        full = self._full_rows(var)
         if last:
             out_shape = (1,) * (len(out_shape) - 1) + (out_shape[-1],)   # the last row's
         rows = int(np.prod(out_shape[:-1], dtype=np.int64)) if len(out_shape) > 1 else 1
@@ -583,7 +584,7 @@ class _Extractor:
                     if c == 0.0:
                         raise BuildError(f"{var.name} = divide by the constant 0")
                     c = 1.0 / c
-                x = self._row_input(dev[0].view, rows, cols, var.name, self._full_rows(var))
+                x = self._row_input(dev[0].view, rows, cols, var.name, full)
                 if c == 1.0:                          # x * 1 (a multiplier set to 1)
                     same = x.reshape(out_shape)
                     if same is not None:
@@ -601,8 +602,7 @@ class _Extractor:
         views = []
         for a in args:
             if isinstance(a, Dev):
-                views.append(self._row_input(a.view, rows, cols, var.name,
-                                             self._full_rows(var)))
+                views.append(self._row_input(a.view, rows, cols, var.name, full))
             elif isinstance(a, Pos):
                 v = self.position_view(a.var, rows, cols)
                 views.append(v.shifted(Affine.param("last_row", cols)) if last else v)
