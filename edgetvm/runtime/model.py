@@ -71,13 +71,16 @@ class ModelRunner:
         if tokens == 1:
             cands = [k for k in self.keys if k[0] == "decode" and k[2] >= pages_needed]
         else:
-            rows = next((r for r in self.prefill_rows if r >= tokens), None)
-            if rows is None:
+            if tokens > self.prefill_rows[-1]:
                 raise EdgeTVMError(f"a chunk of {tokens} tokens is over the largest prefill "
                                    f"bucket ({self.prefill_rows[-1]}); use chunks")
-            pages_needed = -(-(pos + rows) // self.info.page_tokens)
-            cands = [k for k in self.keys if k[0] == "prefill" and k[1] == rows and
-                     k[2] >= pages_needed]
+            # the smallest bucket that holds the chunk and whose KV capacity holds what it
+            # writes (whole rows of the bucket from pos): past the first capacity of a
+            # small bucket that is a larger bucket (the largest one has every capacity)
+            cands = [k for k in self.keys if k[0] == "prefill" and k[1] >= tokens and
+                     k[2] >= -(-(pos + k[1]) // self.info.page_tokens)]
+            if cands:
+                cands = [k for k in cands if k[1] == min(c[1] for c in cands)]
         if not cands:
             raise EdgeTVMError(f"no program for {tokens} token(s) at position {pos}: the "
                                f"artifact was built for {self.keys} (build with --chunk or "
@@ -149,6 +152,13 @@ class ModelRunner:
         size = chunk or (self.prefill_rows[-1] if len(prompt) > self.prefill_rows[-1] else
                          len(prompt))
         pieces = [prompt[i:i + size] for i in range(0, len(prompt), size)]
+        # every step has a program, or nothing runs (not a refusal after the first chunks)
+        at = 0
+        for piece in pieces:
+            self.key_for(len(piece), at)
+            at += len(piece)
+        if max_new_tokens > 1:
+            self.key_for(1, at + max_new_tokens - 2)
         records, pos, token = [], 0, None
         calls = [("prefill", p) for p in pieces]
         generated = 0

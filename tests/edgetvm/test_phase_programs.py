@@ -725,3 +725,55 @@ def test_the_last_rows_inputs_are_read_by_shape_whatever_op_reads_them(tmp_path,
             ref = call["logits"][0, -1]
             assert float(np.abs(rec.logits - ref).max()) <= 0.01 + 0.01 * float(
                 np.abs(ref).max()), (kind, n)
+
+
+@pytest.mark.parametrize("n", [21, 37])
+def test_a_prompt_longer_than_the_largest_bucket_runs_in_chunks_of_it(n):
+    """Without a --chunk build, a prompt over the largest bucket runs as chunks of that
+    bucket; the last, shorter chunk takes the largest bucket at the capacity its position
+    needs (the small buckets exist only from position 0): token-exact against
+    onnxruntime fed the same chunks. It used to be refused after the first chunks ran
+    ("no program for 5 token(s) at position 16")."""
+    mc = _compiler("llama", "regions")
+    g = mc.graph("decode", 1, 1)
+    info = ModelInfo(g.layers, g.kv_heads, g.head_dim, mc.page_tokens, mc.max_tokens,
+                     int(g.tensors["logits"].shape[-1]))
+    runner = ModelRunner(lambda key: mc.program(*key), mc.phase_keys((4, 8, 16)), info,
+                         LocalRunner(mc.spec))
+    prompt = [int(t) for t in np.random.default_rng(n).integers(0, 512, n)]
+    ref_run, names, kv = onnxruntime_model(_path("llama"))
+    want, calls = greedy_loop(ref_run, names, kv, prompt, 3, chunk=16)
+    recs = runner.generate(prompt, 3)
+    chunks = -(-n // 16)
+    # chunk i writes up to token 16 (i + 1): the next power of two of i + 1 pages
+    assert [r.program for r in recs[:chunks]] == [f"prefill_16x{1 << i.bit_length()}p"
+                                                  for i in range(chunks)]
+    assert [r.token for r in recs if r.token >= 0] == want
+    assert len(recs) == len(calls)
+    for rec, call in zip(recs, calls):
+        ref = call["logits"][0, -1]
+        assert float(np.abs(rec.logits - ref).max()) <= 0.01 + 0.01 * float(np.abs(ref).max())
+
+
+def test_a_generation_without_a_program_for_a_later_step_runs_nothing():
+    """A step no program serves (here: decode past the capacities built) is refused before
+    the first step runs, not after the prompt's chunks have run."""
+    from edgetvm.errors import EdgeTVMError
+
+    mc = _compiler("llama", "regions")
+    g = mc.graph("decode", 1, 1)
+    info = ModelInfo(g.layers, g.kv_heads, g.head_dim, mc.page_tokens, mc.max_tokens,
+                     int(g.tensors["logits"].shape[-1]))
+
+    class Counting:
+        runs = 0
+
+        def run(self, *a, **k):
+            Counting.runs += 1
+            raise AssertionError("a step ran")
+
+    keys = [k for k in mc.phase_keys((4, 8, 16)) if k[0] == "prefill" or k[2] < 4]
+    runner = ModelRunner(lambda key: mc.program(*key), keys, info, Counting())
+    with pytest.raises(EdgeTVMError, match="no program for 1 token"):
+        runner.generate(list(range(1, 11)), 60)
+    assert Counting.runs == 0
