@@ -79,6 +79,15 @@ class ModelRunner:
             # small bucket that is a larger bucket (the largest one has every capacity)
             cands = [k for k in self.keys if k[0] == "prefill" and k[1] >= tokens and
                      k[2] >= -(-(pos + k[1]) // self.info.page_tokens)]
+            if cands and all(pos + k[1] > self.info.max_tokens for k in cands):
+                # the chunk is padded to its bucket, and the bucket's rows are written
+                rows = min(k[1] for k in cands)
+                raise EdgeTVMError(
+                    f"a chunk of {tokens} tokens at position {pos} runs padded to a "
+                    f"{rows}-row bucket, past the KV cache of {self.info.max_tokens} "
+                    f"tokens (build with --chunk {self.info.page_tokens} or "
+                    f"--max-tokens {pos + rows})")
+            cands = [k for k in cands if pos + k[1] <= self.info.max_tokens]
             if cands:
                 cands = [k for k in cands if k[1] == min(c[1] for c in cands)]
         if not cands:

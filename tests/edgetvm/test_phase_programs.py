@@ -727,6 +727,13 @@ def test_the_last_rows_inputs_are_read_by_shape_whatever_op_reads_them(tmp_path,
                 np.abs(ref).max()), (kind, n)
 
 
+
+class _NoRuns:
+    """A runner for tests that expect a refusal before any step runs."""
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("a step ran")
+
 @pytest.mark.parametrize("n", [21, 37])
 def test_a_prompt_longer_than_the_largest_bucket_runs_in_chunks_of_it(n):
     """Without a --chunk build, a prompt over the largest bucket runs as chunks of that
@@ -765,15 +772,25 @@ def test_a_generation_without_a_program_for_a_later_step_runs_nothing():
     info = ModelInfo(g.layers, g.kv_heads, g.head_dim, mc.page_tokens, mc.max_tokens,
                      int(g.tensors["logits"].shape[-1]))
 
-    class Counting:
-        runs = 0
-
-        def run(self, *a, **k):
-            Counting.runs += 1
-            raise AssertionError("a step ran")
-
     keys = [k for k in mc.phase_keys((4, 8, 16)) if k[0] == "prefill" or k[2] < 4]
-    runner = ModelRunner(lambda key: mc.program(*key), keys, info, Counting())
+    runner = ModelRunner(lambda key: mc.program(*key), keys, info, _NoRuns())
     with pytest.raises(EdgeTVMError, match="no program for 1 token"):
         runner.generate(list(range(1, 11)), 60)
-    assert Counting.runs == 0
+
+
+def test_a_last_chunk_whose_bucket_overruns_the_cache_is_refused_before_any_step():
+    """Max tokens 40 with buckets 4, 8 and 16: a 35-token prompt runs as chunks of 16, the
+    last (3 tokens at 32) padded to 16 rows that would be written past the cache: refused,
+    naming the fix, before the first chunk runs."""
+    from edgetvm.errors import EdgeTVMError
+
+    mc = ModelCompiler(str(_path("llama")), max_tokens=40, strategy="regions", max_rows=16)
+    g = mc.graph("decode", 1, 1)
+    info = ModelInfo(g.layers, g.kv_heads, g.head_dim, mc.page_tokens, mc.max_tokens,
+                     int(g.tensors["logits"].shape[-1]))
+
+    runner = ModelRunner(lambda key: mc.program(*key), mc.phase_keys((4, 8, 16)), info,
+                         _NoRuns())
+    with pytest.raises(EdgeTVMError, match="padded to a 16-row bucket, past the KV cache "
+                                           "of 40 tokens .*--max-tokens 48"):
+        runner.generate(list(range(1, 36)), 2)
