@@ -59,11 +59,12 @@ class KVState:
         self.layer_len = {}
 
     def reserve(self, pos: int, tokens: int) -> None:
-        """Make sure pages exist for tokens ``[pos, pos + tokens)``."""
+        """Make sure pages exist for tokens ``[pos, pos + tokens)`` (a step's padded rows
+        too: they land in the cache's pages past the valid length, and are never read)."""
         end = pos + tokens
-        if end > self.max_tokens:
-            raise EdgeTVMError(f"the KV cache holds {self.max_tokens} tokens; this step needs "
-                               f"{end} (raise max_tokens)")
+        if end > self.num_pages * self.page_tokens:
+            raise EdgeTVMError(f"the KV cache holds {self.max_tokens} tokens; this step "
+                               f"writes {end} (raise max_tokens)")
         while len(self.page_table) * self.page_tokens < end:
             # the sequence's next page: the next free page of the pool
             self.page_table.append(self.page_pool[len(self.page_table)])

@@ -74,12 +74,14 @@ class ModelRunner:
             if tokens > self.prefill_rows[-1]:
                 raise EdgeTVMError(f"a chunk of {tokens} tokens is over the largest prefill "
                                    f"bucket ({self.prefill_rows[-1]}); use chunks")
-            # the smallest bucket that holds the chunk and whose KV capacity holds what it
-            # writes (whole rows of the bucket from pos): past the first capacity of a
-            # small bucket that is a larger bucket (the largest one has every capacity)
+            # the smallest bucket that holds the chunk, at a KV capacity that holds the
+            # bucket's rows from pos: a small bucket has only the capacity of its own rows
+            # from 0, so a later chunk takes a larger one (the largest has every capacity)
             cands = [k for k in self.keys if k[0] == "prefill" and k[1] >= tokens and
                      k[2] >= -(-(pos + k[1]) // self.info.page_tokens)]
-            if cands and all(pos + k[1] > self.info.max_tokens for k in cands):
+            # the pages of the cache (padded rows may fill the last page)
+            room = -(-self.info.max_tokens // self.info.page_tokens) * self.info.page_tokens
+            if cands and all(pos + k[1] > room for k in cands):
                 # the chunk is padded to its bucket, and the bucket's rows are written
                 rows = min(k[1] for k in cands)
                 raise EdgeTVMError(
@@ -87,7 +89,7 @@ class ModelRunner:
                     f"{rows}-row bucket, past the KV cache of {self.info.max_tokens} "
                     f"tokens (build with --chunk {self.info.page_tokens} or "
                     f"--max-tokens {pos + rows})")
-            cands = [k for k in cands if pos + k[1] <= self.info.max_tokens]
+            cands = [k for k in cands if pos + k[1] <= room]
             if cands:
                 cands = [k for k in cands if k[1] == min(c[1] for c in cands)]
         if not cands:

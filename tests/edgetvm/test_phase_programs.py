@@ -778,19 +778,27 @@ def test_a_generation_without_a_program_for_a_later_step_runs_nothing():
         runner.generate(list(range(1, 11)), 60)
 
 
-def test_a_last_chunk_whose_bucket_overruns_the_cache_is_refused_before_any_step():
-    """Max tokens 40 with buckets 4, 8 and 16: a 35-token prompt runs as chunks of 16, the
-    last (3 tokens at 32) padded to 16 rows that would be written past the cache: refused,
-    naming the fix, before the first chunk runs."""
+def test_a_last_chunk_padded_past_the_cache_is_refused_before_any_step():
+    """A 40-token cache (3 pages): a 35-token prompt in chunks of 16 pads its last chunk
+    (3 tokens at 32) into the third page and runs token-exact; in chunks of 32 the last
+    (3 at 32) would write 32 rows past the cache's pages: refused, naming the fix, before
+    the first chunk runs."""
     from edgetvm.errors import EdgeTVMError
 
-    mc = ModelCompiler(str(_path("llama")), max_tokens=40, strategy="regions", max_rows=16)
+    prompt = [int(t) for t in np.random.default_rng(35).integers(0, 512, 35)]
+    mc = ModelCompiler(str(_path("llama")), max_tokens=40, strategy="regions", max_rows=32)
     g = mc.graph("decode", 1, 1)
     info = ModelInfo(g.layers, g.kv_heads, g.head_dim, mc.page_tokens, mc.max_tokens,
                      int(g.tensors["logits"].shape[-1]))
-
     runner = ModelRunner(lambda key: mc.program(*key), mc.phase_keys((4, 8, 16)), info,
+                         LocalRunner(mc.spec))
+    ref_run, names, kv = onnxruntime_model(_path("llama"))
+    want, _ = greedy_loop(ref_run, names, kv, prompt, 2, chunk=16)
+    recs = runner.generate(prompt, 2)
+    assert [r.program for r in recs[:3]] == ["prefill_16x1p", "prefill_16x2p", "prefill_16x4p"]
+    assert [r.token for r in recs if r.token >= 0] == want
+    runner = ModelRunner(lambda key: mc.program(*key), mc.phase_keys((4, 8, 16, 32)), info,
                          _NoRuns())
-    with pytest.raises(EdgeTVMError, match="padded to a 16-row bucket, past the KV cache "
-                                           "of 40 tokens .*--max-tokens 48"):
-        runner.generate(list(range(1, 36)), 2)
+    with pytest.raises(EdgeTVMError, match="padded to a 32-row bucket, past the KV cache "
+                                           "of 40 tokens .*--max-tokens 64"):
+        runner.generate(prompt, 2)
