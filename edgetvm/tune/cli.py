@@ -107,6 +107,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     replay_cuts = False          # kernels only: on the cut points the log chose, not searched
     if kinds is not None and "partition" not in kinds:
         replay_cuts, cuts = cuts, False
+    tlog = TuningLog(log_dir)     # a log that cannot be written is refused before the front end
     asked = (chunk,) if chunk else tuple(sorted(set(buckets or DEFAULT_BUCKETS)))
     mc = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
                        strategy=strategy, max_rows=max(asked), profile=profile)
@@ -130,7 +131,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
         return (budget["trials"] is not None and budget["trials"] <= 0) or \
             (budget["time_budget"] is not None and budget["time_budget"] <= 0)
 
-    with TuningLog(log_dir) as tlog:
+    with tlog:
         def stage(tasks, name, budget, stall):
             return _stage(mc, tasks, tlog, ctx, name, dict(budget, stall=stall), opts,
                           workers, rpc_tracker, rpc_key, timeout)

@@ -165,7 +165,18 @@ class TuningLog:
         if not os.path.isdir(directory):
             if not create:
                 raise TuningLogError(f"{directory}: no such tuning log directory")
-            os.makedirs(directory, exist_ok=True)
+            if os.path.exists(directory):
+                raise TuningLogError(f"{directory}: not a directory (a tuning log is a "
+                                     f"directory holding {LOG_FILE})")
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError as e:
+                raise TuningLogError(f"{directory}: cannot create the tuning log "
+                                     f"directory: {e.strerror}") from None
+        if create and not (os.access(directory, os.W_OK | os.X_OK) and (
+                not os.path.exists(self.path) or os.access(self.path, os.W_OK))):
+            # refused now, not after the first candidate was measured
+            raise TuningLogError(f"{self.path}: the tuning log is not writable")
         self._fd: int | None = None
         self.skipped = 0                 # unreadable lines of the last load
 

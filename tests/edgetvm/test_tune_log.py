@@ -179,6 +179,16 @@ def test_a_missing_or_empty_log_is_refused(tmp_path):
         Replay(str(tmp_path / "empty"), CTX)
 
 
+def test_a_log_path_that_is_a_file_is_refused_before_anything_is_measured(tmp_path):
+    f = tmp_path / "records"
+    f.write_text("not a directory\n")
+    with pytest.raises(TuningLogError, match="not a directory"):
+        TuningLog(str(f))
+    with pytest.raises(TuningLogError, match="cannot create"):
+        TuningLog(str(f / "below"))
+    assert f.read_text() == "not a directory\n"
+
+
 def test_canonical_knobs_is_order_independent():
     assert canonical_knobs({"b": 1, "a": {"y": 2, "x": 1}}) == \
         canonical_knobs({"a": {"x": 1, "y": 2}, "b": 1})
