@@ -42,3 +42,18 @@ class CandidateRejected(EdgeTVMError):
 class RequestRefused(EdgeTVMError):
     """An emulator server refuses a request: over its size limits, arguments of the wrong
     type or dtype, a spec given as a path, an unknown call."""
+
+
+def check_output_file(path: str, option: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: ``path`` (given by
+    ``option``, e.g. ``-o``) is a directory, or its directory is missing or not writable."""
+    import os
+
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise EdgeTVMError(f"{option} {path}: is a directory; name the file to write")
+    if not os.path.isdir(parent):
+        raise EdgeTVMError(f"{option} {path}: no directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+            os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise EdgeTVMError(f"{option} {path}: not writable")

@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 from edgetvm.collector import fewer_collections
-from edgetvm.errors import EdgeTVMError
+from edgetvm.errors import EdgeTVMError, check_output_file
 from edgetvm.build.cli import add_build_options, check_build_options, print_host_ops, quantizer_of
 
 DEFAULT_ATOL = 1e-2
@@ -235,6 +235,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")
     try:
+        if args.trace:
+            check_output_file(args.trace, "--trace")
         if args.reference:
             recs = run_reference(args)
         else:

@@ -10,7 +10,7 @@ import sys
 import time
 
 from edgetvm.collector import fewer_collections
-from edgetvm.errors import EdgeTVMError
+from edgetvm.errors import EdgeTVMError, check_output_file
 
 from .fingerprint import describe_quantize, file_sha256
 
@@ -196,6 +196,7 @@ def main(argv=None) -> int:
     if args.jobs is not None and args.jobs < 1:
         ap.error("--jobs must be >= 1")
     try:
+        check_output_file(args.output, "-o")
         m = build(args.model, args.output, target=args.target, profile=args.profile,
                   strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
                   quantize=quantizer_of(args), max_tokens=args.max_tokens,

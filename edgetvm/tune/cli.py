@@ -9,7 +9,7 @@ import os
 import sys
 
 from edgetvm.collector import fewer_collections
-from edgetvm.errors import EdgeTVMError
+from edgetvm.errors import EdgeTVMError, check_output_file
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "examples", "llama_tiny_with_past.onnx")
@@ -337,6 +337,8 @@ def main(argv=None) -> int:
         ap.error(f"--rpc-tracker: expected HOST:PORT, got {args.rpc_tracker!r}")
     phases = [p.strip() for p in args.phases.split(",") if p.strip()] if args.phases else None
     try:
+        if args.report_json:
+            check_output_file(args.report_json, "--report-json")
         rep = tune(args.model, target=args.target, profile=args.profile,
                    strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
                    quantize=quantizer_of(args), max_tokens=args.max_tokens, phases=phases,

@@ -182,3 +182,31 @@ def test_run_keys_its_build_cache_by_the_compiler_and_rebuilds_what_does_not_loa
     monkeypatch.setattr(fingerprint, "compiler_fingerprint", lambda: "0" * 16)
     assert run_main(args) == 0
     assert "building" in capsys.readouterr().out and len(list(tmp_path.glob("*.npu"))) == 2
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys,
+                                                                     monkeypatch):
+    """build -o, run --trace and tune --report-json into a missing directory or onto a
+    directory: a clear error before anything compiles, runs or is measured (it was a
+    traceback once the work was done)."""
+    from edgetvm.tune.cli import main as tune_main
+
+    def no_work(*a, **k):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr("edgetvm.build.cli.build", no_work)
+    monkeypatch.setattr("edgetvm.run.cached_build", no_work)
+    monkeypatch.setattr("edgetvm.tune.cli.tune", no_work)
+    missing = tmp_path / "no" / "such"
+    (tmp_path / "d").mkdir()
+    for argv, flag, main, code in (
+            ([LLAMA, "-o", str(missing / "m.npu")], "-o", build_main, 1),
+            ([LLAMA, "-o", str(tmp_path / "d")], "-o", build_main, 1),
+            ([LLAMA, "--prompt-ids", "1,2", "--trace", str(missing / "t.json")], "--trace",
+             run_main, 2),
+            ([LLAMA, "--trials", "2", "--log", str(tmp_path / "log"), "--report-json",
+              str(missing / "r.json")], "--report-json", tune_main, 1)):
+        assert main(argv) == code
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {flag} ") and ("no directory" in err or
+                                                      "is a directory" in err), err
