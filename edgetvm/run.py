@@ -31,7 +31,8 @@ import numpy as np
 
 from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError, check_output_file
-from edgetvm.build.cli import add_build_options, check_build_options, print_host_ops, quantizer_of
+from edgetvm.build.cli import (add_build_options, check_build_options, ints_option,
+                               print_host_ops, quantizer_of)
 
 DEFAULT_ATOL = 1e-2
 DEFAULT_RTOL = 1e-2
@@ -108,7 +109,8 @@ def cached_build(args):
     options = {"onnx": file_sha256(args.model), "target": spec.hash(), "profile": args.profile,
                "strategy": args.strategy, "chunk": args.chunk, "quantize": args.quantize,
                "zero_points": args.zero_points, "keep_fp16": args.keep_fp16,
-               "max_tokens": args.max_tokens, "buckets": list(DEFAULT_BUCKETS),
+               "max_tokens": args.max_tokens,
+               "buckets": sorted(set(args.buckets or DEFAULT_BUCKETS)),
                "edgetvm": __version__, "compiler": compiler_fingerprint(),
                "emulator_model": EMULATOR_MODEL_VERSION,
                "log": _log_digest(args.log)}
@@ -125,7 +127,7 @@ def cached_build(args):
     os.makedirs(cache_dir(), exist_ok=True)
     print(f"building {args.model} for {spec.name} into {path} ...", flush=True)
     build(args.model, path, target=spec, profile=args.profile, strategy=args.strategy,
-          chunk=args.chunk, quantize=quantizer_of(args), max_tokens=args.max_tokens,
+          buckets=args.buckets or DEFAULT_BUCKETS, chunk=args.chunk, quantize=quantizer_of(args), max_tokens=args.max_tokens,
           progress=not args.quiet, log_dir=args.log)
     return load_artifact(path)
 
@@ -206,8 +208,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
                     help="logits tolerance relative to the step's max |logit| "
                          f"(default {DEFAULT_RTOL})")
-    ap.add_argument("--chunk", type=int, default=None, metavar="C",
-                    help="chunked prefill with chunks of C tokens")
+    prefill = ap.add_mutually_exclusive_group()
+    prefill.add_argument("--chunk", type=int, default=None, metavar="C",
+                         help="chunked prefill with chunks of C tokens")
+    prefill.add_argument("--buckets", type=ints_option, default=None, metavar="R1,R2,...",
+                         help="building an ONNX file: prefill length buckets (default "
+                              "16,32,64,128,256,512)")
     build = ap.add_argument_group("building an ONNX file (ignored for model.npu)")
     add_build_options(build, run=True)
     build.add_argument("--log", default=None, metavar="DIR",
@@ -229,6 +235,8 @@ def main(argv=None) -> int:
     if args.reference and (args.rpc or args.trace or args.log):
         ap.error("--rpc, --trace and --log are for compiled models, not the --reference "
                  "path")
+    if is_artifact and args.buckets:
+        ap.error("--buckets chooses the programs of a build; a model.npu has its own")
     if is_artifact and args.log:
         ap.error("--log replays a tuning log while building an ONNX file; a model.npu "
                  "is already built")
@@ -258,7 +266,8 @@ def run_reference(args) -> list:
 
     kv = KVSpec.of(args.model)
     print(f"compiling {args.model} (reference path) ...", flush=True)
-    extra = {"row_buckets": (args.chunk,)} if args.chunk else {}
+    rows = (args.chunk,) if args.chunk else args.buckets
+    extra = {"row_buckets": tuple(rows)} if rows else {}
     session = NPUSession(args.model, args.target or "edge-npu-16mb", args.profile,
                          max_tokens=args.max_tokens or 1024,
                          quantize=quantizer_of(args), **extra)

@@ -17,7 +17,7 @@ from .fingerprint import describe_quantize, file_sha256
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
-def _ints(text: str) -> tuple:
+def ints_option(text: str) -> tuple:
     try:
         vals = tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
@@ -118,7 +118,7 @@ def add_target_options(ap, buckets_default=DEFAULT_BUCKETS) -> None:
     ap.add_argument("--target", default="edge-npu-16mb", help="NPU preset or spec JSON")
     ap.add_argument("--profile", default=None, help="power profile (default: the spec's)")
     group = ap.add_mutually_exclusive_group()
-    group.add_argument("--buckets", type=_ints, default=buckets_default, metavar="R1,R2,...",
+    group.add_argument("--buckets", type=ints_option, default=buckets_default, metavar="R1,R2,...",
                        help="prefill length buckets (default 16,32,64,128,256,512)")
     group.add_argument("--chunk", type=int, default=None, metavar="C",
                        help="chunked prefill: one C-row prefill program per KV capacity")

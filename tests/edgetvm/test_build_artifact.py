@@ -184,6 +184,23 @@ def test_run_keys_its_build_cache_by_the_compiler_and_rebuilds_what_does_not_loa
     assert "building" in capsys.readouterr().out and len(list(tmp_path.glob("*.npu"))) == 2
 
 
+def test_run_builds_an_onnx_file_with_the_buckets_asked_for(tmp_path, monkeypatch, capsys):
+    """``run model.onnx --buckets``: the cached build has those prefill buckets (and is
+    another cache entry than the default's); a model.npu refuses the option."""
+    monkeypatch.setenv("EDGETVM_CACHE", str(tmp_path))
+    args = [LLAMA, "--prompt-ids", "5,17,42,7,9,11,13,15,17,19", "--max-new-tokens", "2",
+            "--max-tokens", "32", "-q", "--check-onnx"]
+    assert run_main(args + ["--buckets", "4,16"]) == 0
+    assert "ids identical" in capsys.readouterr().out
+    [cached] = list(tmp_path.glob("*.npu"))
+    assert sorted({r for p, r, _ in load_artifact(str(cached)).keys if p == "prefill"}) == [4, 16]
+    assert run_main(args) == 0
+    assert len(list(tmp_path.glob("*.npu"))) == 2
+    with pytest.raises(SystemExit):
+        run_main([str(cached), "--prompt-ids", "5", "--buckets", "4"])
+    assert "a model.npu has its own" in capsys.readouterr().err
+
+
 def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys,
                                                                      monkeypatch):
     """build -o, run --trace and tune --report-json into a missing directory or onto a
