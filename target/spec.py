@@ -141,6 +141,9 @@ _REQUIRED = [f.name for f in dataclasses.fields(NPUSpec)
 
 def spec_from_dict(d: dict, source: str = "<dict>") -> NPUSpec:
     """Build and validate an :class:`NPUSpec` from a preset's JSON object."""
+    if not isinstance(d, dict):
+        raise SpecError(f"{source}: a spec is a JSON object of fields, not "
+                        f"{type(d).__name__}")
     d = {k: v for k, v in d.items() if not k.startswith("_")}  # "_comment" keys document figures
     missing = [k for k in _REQUIRED if k not in d]
     if missing:
@@ -149,6 +152,19 @@ def spec_from_dict(d: dict, source: str = "<dict>") -> NPUSpec:
     unknown = sorted(set(d) - known)
     if unknown:
         raise SpecError(f"{source}: unknown field(s): {', '.join(unknown)}")
+    # every figure a finite number (a bool or a string is not one), every table of them too
+    bad = [k for k, f in _FIELD_TYPES.items() if k in d and f in ("int", "float") and
+           not _finite_number(d[k], f == "int")]
+    bad += [f"{k}[{e!r}]" for k in ("mma_macs_per_cycle", "vector_op_cycles", "power_unit_mw")
+            if isinstance(d.get(k), dict) for e, v in d[k].items() if not _finite_number(v)]
+    if not isinstance(d.get("power_profiles"), dict) or not all(
+            isinstance(v, dict) for v in d["power_profiles"].values()):
+        raise SpecError(f"{source}: power_profiles must be an object of profiles, each an "
+                        f"object of fields")
+    bad += [f"power_profiles[{n!r}].{k}" for n, v in d["power_profiles"].items()
+            for k, x in v.items() if not _finite_number(x)]
+    if bad:
+        raise SpecError(f"{source}: not a finite number: {', '.join(bad)}")
     try:
         profiles = {k: PowerProfile(name=k, **v) for k, v in d["power_profiles"].items()}
         spec = NPUSpec(**{**d,
@@ -164,8 +180,28 @@ def spec_from_dict(d: dict, source: str = "<dict>") -> NPUSpec:
     return spec
 
 
+#: NPUSpec field -> "int" / "float" / other (what a JSON value of it must be)
+_FIELD_TYPES = {f.name: f.type if f.type in ("int", "float") else "other"
+                for f in dataclasses.fields(NPUSpec)}
+
+#: the largest TCM a spec may declare: the emulator holds it in memory (edge NPUs have
+#: 1-32 MB; 1 GiB is far past any)
+MAX_TCM_BYTES = 1 << 30
+
+
+def _finite_number(v, integral: bool = False) -> bool:
+    import math
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return math.isfinite(v) and (not integral or float(v).is_integer())
+
+
 def _validate(s: NPUSpec) -> None:
     problems = []
+    if s.tcm_bytes > MAX_TCM_BYTES:
+        problems.append(f"tcm_bytes must be <= {MAX_TCM_BYTES} (1 GiB)")
+    if s.tcm_alignment > 0 and s.tcm_alignment & (s.tcm_alignment - 1):
+        problems.append("tcm_alignment must be a power of two")
     for name in ("clock_mhz", "tcm_bytes", "tcm_alignment", "dma_channels",
                  "dram_bytes_per_cycle", "dram_burst_bytes", "vector_lanes",
                  "power_window_cycles", "dvfs_interval_cycles", "host_flops_per_cycle",

@@ -99,6 +99,11 @@ def test_unknown_field_is_named(tmp_path):
         load_spec(_write(tmp_path, d))
 
 
+def test_a_spec_that_is_not_an_object_is_refused(tmp_path):
+    with pytest.raises(SpecError, match="a spec is a JSON object of fields, not list"):
+        load_spec(_write(tmp_path, None, text="[1, 2, 3]"))
+
+
 def test_not_json_is_refused(tmp_path):
     with pytest.raises(SpecError, match="cannot read spec"):
         load_spec(_write(tmp_path, None, text='{"name": "x", '))
@@ -108,6 +113,17 @@ def test_not_json_is_refused(tmp_path):
     ("tcm_bytes", 0, "tcm_bytes must be > 0"),
     ("mma_tile", [16, 64], "mma_tile must be three positive ints"),
     ("default_profile", "turbo", "default_profile 'turbo' is not a power profile"),
+    # figures of the wrong type or beyond what the emulator can hold: refused when the
+    # spec is loaded, not as a traceback (or an allocation of 909 TiB) once a program runs
+    ("clock_mhz", "fast", "not a finite number: clock_mhz"),
+    ("dma_channels", True, "not a finite number: dma_channels"),
+    ("tcm_bytes", 1.5, "not a finite number: tcm_bytes"),
+    ("tcm_bytes", 10 ** 15, r"tcm_bytes must be <= 1073741824"),
+    ("tcm_alignment", 3, "tcm_alignment must be a power of two"),
+    ("vector_op_cycles", {"add": "x"}, r"not a finite number: vector_op_cycles\['add'\]"),
+    ("power_profiles", [1], "power_profiles must be an object of profiles"),
+    ("power_profiles", {"performance": {"budget_mw": "high", "dvfs_exponent": 1}},
+     r"power_profiles\['performance'\].budget_mw"),
 ])
 def test_inconsistent_figures_are_refused(tmp_path, field, value, message):
     d = _preset_dict()
