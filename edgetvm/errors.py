@@ -57,3 +57,13 @@ def check_output_file(path: str, option: str) -> None:
     if not os.access(parent, os.W_OK | os.X_OK) or (
             os.path.exists(path) and not os.access(path, os.W_OK)):
         raise EdgeTVMError(f"{option} {path}: not writable")
+
+
+def check_input_file(path: str, what: str = "an .onnx file") -> None:
+    """Refuse, before any work, an input file that is missing or a directory."""
+    import os
+
+    if os.path.isdir(path):
+        raise EdgeTVMError(f"{path}: is a directory, expected {what}")
+    if not os.path.isfile(path):
+        raise EdgeTVMError(f"{path}: no such file")

@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 from edgetvm.collector import fewer_collections
-from edgetvm.errors import EdgeTVMError, check_output_file
+from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
 from edgetvm.build.cli import (add_build_options, check_build_options, ints_option,
                                print_host_ops, quantizer_of)
 
@@ -240,21 +240,33 @@ def main(argv=None) -> int:
     if is_artifact and args.log:
         ap.error("--log replays a tuning log while building an ONNX file; a model.npu "
                  "is already built")
+    import math
+    if not (math.isfinite(args.atol) and args.atol >= 0 and math.isfinite(args.rtol) and
+            args.rtol >= 0):
+        ap.error("--atol and --rtol must be finite and >= 0")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")
     try:
+        # everything that can be refused is refused before the build and the run
         if args.trace:
             check_output_file(args.trace, "--trace")
+        if not is_artifact:
+            check_input_file(args.model)
+        reference = _reference_runner(args) if args.check_onnx else None
         if args.reference:
+            _check_vocab(_vocab_of(args.model), args)
             recs = run_reference(args)
         else:
             if is_artifact:
                 from edgetvm.runtime.artifact import load_artifact
                 art = load_artifact(args.model)
+                _same_onnx(art, args)
             else:
+                _check_vocab(_vocab_of(args.model), args)
                 art = cached_build(args)
+            _check_vocab(art.manifest["model"]["vocab"], args)
             recs = run_artifact(art, args)
-        return _report(recs, args)
+        return _report(recs, args, reference)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -286,16 +298,71 @@ def run_reference(args) -> list:
                   chunk=args.chunk)
 
 
-def _report(recs, args) -> int:
-    from edgetvm.generate import KVSpec, greedy, onnxruntime_runner, tokens_of
+def _check_onnx_path(args) -> str:
+    return args.model if args.check_onnx is True else args.check_onnx
+
+
+def _reference_runner(args):
+    """(onnxruntime runner, KV inputs) of the --check-onnx file, made before anything
+    runs: a file onnxruntime cannot load is refused then, not after the generation."""
+    from edgetvm.generate import KVSpec, onnxruntime_runner
+
+    path = _check_onnx_path(args)
+    check_input_file(path)
+    try:
+        runner = onnxruntime_runner(path)
+    except Exception as e:             # onnxruntime's own errors have no common base
+        raise EdgeTVMError(f"--check-onnx {path}: onnxruntime cannot load it: "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+            from None
+    return runner, KVSpec.of(path)
+
+
+def _vocab_of(path: str):
+    """The static width of an ONNX file's ``logits`` output (None if not static)."""
+    import onnx
+    try:
+        g = onnx.load(path, load_external_data=False).graph
+    except Exception:                  # onnxruntime loaded it; the check is a courtesy
+        return None
+    out = next((o for o in g.output if o.name == "logits"), None)
+    dims = out.type.tensor_type.shape.dim if out is not None else ()
+    return dims[-1].dim_value or None if dims else None
+
+
+def _check_vocab(vocab, args) -> None:
+    """Refuse, before the run, a --check-onnx file whose logits are of another width."""
+    if not args.check_onnx or vocab is None:
+        return
+    path = _check_onnx_path(args)
+    theirs = _vocab_of(path)
+    if theirs is not None and theirs != vocab:
+        raise EdgeTVMError(f"--check-onnx {path}: its logits have {theirs} entries, the "
+                           f"model's {vocab}: not the same model")
+
+
+def _same_onnx(art, args) -> None:
+    """Say, before the run, when --check-onnx names another file than the artifact's."""
+    if not args.check_onnx:
+        return
+    from edgetvm.build.fingerprint import file_sha256
+    path = _check_onnx_path(args)
+    built = (art.manifest.get("onnx") or {}).get("sha256")
+    if built and file_sha256(path) != built:
+        print(f"check-onnx: {path} is not the ONNX file {args.model} was built from "
+              f"(another SHA-256); a difference may be the files', not the program's",
+              flush=True)
+
+
+def _report(recs, args, reference=None) -> int:
+    from edgetvm.generate import greedy, tokens_of
 
     ids = tokens_of(recs)
     print("generated ids:", ",".join(map(str, ids)))
     if not args.check_onnx:
         return 0
-    onnx_path = args.model if args.check_onnx is True else args.check_onnx
-    ref = greedy(onnxruntime_runner(onnx_path), KVSpec.of(onnx_path), args.prompt_ids,
-                 args.max_new_tokens, chunk=args.chunk)
+    runner, kv = reference or _reference_runner(args)
+    ref = greedy(runner, kv, args.prompt_ids, args.max_new_tokens, chunk=args.chunk)
     same = ids == tokens_of(ref)
     split = None if same else divergence(recs, ref, args.atol, args.rtol)
     # after the ids part, each side runs on its own tokens: compare the steps up to there
@@ -314,6 +381,9 @@ def _report(recs, args) -> int:
         if margin <= tol and diff <= tol:
             print("check-onnx: a near-tie within the logits tolerance: fp16 rounding "
                   "chose the other token; try another prompt to check the program")
+    if same and not ok:
+        print("check-onnx: FAILED: the ids agree, but the logits differ from onnxruntime's "
+              "beyond the tolerance")
     if not (same and ok) and getattr(args, "quantize", None):
         print(f"check-onnx: the linears were quantized to W4A16 (--quantize "
               f"{args.quantize}) and onnxruntime runs the file's own weights: the "

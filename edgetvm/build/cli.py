@@ -10,7 +10,7 @@ import sys
 import time
 
 from edgetvm.collector import fewer_collections
-from edgetvm.errors import EdgeTVMError, check_output_file
+from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
 
 from .fingerprint import describe_quantize, file_sha256
 
@@ -44,8 +44,7 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
     from edgetvm.build.package import write_artifact
     from edgetvm.build.workers import compile_programs, default_jobs
 
-    if not os.path.isfile(onnx_path):
-        raise EdgeTVMError(f"{onnx_path}: no such file")
+    check_input_file(onnx_path)
     t0 = time.time()
     asked = (chunk,) if chunk else tuple(sorted(set(buckets)))
     mc = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,

@@ -9,7 +9,7 @@ import os
 import sys
 
 from edgetvm.collector import fewer_collections
-from edgetvm.errors import EdgeTVMError, check_output_file
+from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "examples", "llama_tiny_with_past.onnx")
@@ -96,8 +96,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     from .log import Replay, TuningLog, log_context
     from .tasks import extract_partition_tasks, extract_tasks
 
-    if not os.path.isfile(onnx_path):
-        raise EdgeTVMError(f"{onnx_path}: no such file")
+    check_input_file(onnx_path)
     if int(rounds) != rounds or rounds < 1:
         raise EdgeTVMError(f"--rounds must be a whole number >= 1, not {rounds}")
     if not 0 < cut_share < 1:

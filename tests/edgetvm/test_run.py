@@ -143,6 +143,7 @@ def test_run_check_onnx_fails_on_logits_with_identical_ids(monkeypatch, capsys, 
     out = capsys.readouterr().out
     worst = float(re.search(r"max \|logits diff\| ([0-9.e+-]+)", out).group(1))
     assert "ids identical" in out and 0.5 <= worst < 0.6
+    assert "check-onnx: FAILED: the ids agree, but the logits differ" in out
 
 
 @pytest.mark.parametrize("reference", [False, True])
@@ -155,3 +156,35 @@ def test_run_check_onnx_fails_on_different_ids(monkeypatch, capsys, reference):
     assert main([MODEL, "--prompt-ids", "5,17,42", "--max-new-tokens", "2",
                  "--check-onnx", *extra]) == 1
     assert "ids DIFFER" in capsys.readouterr().out
+
+
+def test_run_refuses_what_check_onnx_cannot_compare_before_running(monkeypatch, capsys,
+                                                                     tmp_path):
+    """A --check-onnx file that is missing, a directory or not loadable by onnxruntime,
+    and tolerances that no step could meet: refused before the build and the run (it was
+    an onnxruntime traceback after the whole generation)."""
+    import edgetvm.run as run_mod
+
+    def no_work(*a, **k):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(run_mod, "cached_build", no_work)
+    monkeypatch.setattr(run_mod, "run_reference", no_work)
+    text = tmp_path / "notes.onnx"
+    text.write_text("not a model")
+    for ref, message in ((str(tmp_path / "missing.onnx"), "no such file"),
+                         (str(tmp_path), "is a directory"),
+                         (str(text), "onnxruntime cannot load it")):
+        for extra in ([], ["--reference"]):
+            assert main([MODEL, "--prompt-ids", "5", "--check-onnx", ref, *extra]) == 2
+            assert message in capsys.readouterr().err
+    # another model: its logits of another width (the bundled example's 2048, not 512)
+    bundled = os.path.join(os.path.dirname(os.path.dirname(DATA)), "examples",
+                           "llama_tiny_with_past.onnx")
+    for extra in ([], ["--reference"]):
+        assert main([MODEL, "--prompt-ids", "5", "--check-onnx", bundled, *extra]) == 2
+        assert "its logits have 2048 entries, the model's 512" in capsys.readouterr().err
+    for tol in (["--atol", "-1"], ["--rtol", "nan"]):
+        with pytest.raises(SystemExit):
+            main([MODEL, "--prompt-ids", "5", "--check-onnx", *tol])
+        assert "--atol and --rtol must be finite and >= 0" in capsys.readouterr().err
