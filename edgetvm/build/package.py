@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from edgetvm import __version__
-from edgetvm.runtime.artifact import (ALIGN, FORMAT, FORMAT_VERSION, MANIFEST, WEIGHTS,
-                                      program_file, sha256)
+from edgetvm.runtime.artifact import (ALIGN, FORMAT, FORMAT_VERSION, MANIFEST, MANIFEST_DIGEST,
+                                      WEIGHTS, program_file, sha256)
 from edgetvm.target import program_format
 from edgetvm.target.spec import EMULATOR_MODEL_VERSION
 
@@ -114,6 +114,7 @@ def write_artifact(path: str, programs: dict, manifest: dict, pack: dict | None 
     try:
         with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w") as z:
             z.writestr(_entry(MANIFEST, True), body, compresslevel=6)
+            z.writestr(_entry(MANIFEST_DIGEST, False), sha256(body).encode())
             for name, enc, _ in entries:
                 z.writestr(_entry(name, True), enc.data, compresslevel=6)
             z.writestr(_entry(WEIGHTS, False), weights)

@@ -12,7 +12,9 @@ building twice gives identical bytes):
 ``programs/<phase>_<rows>x<pages>p.npuprog``
     the linked command streams (``target/program_format.py``), their weights left out;
 ``weights.bin``
-    every weight and position table, each at a 64-byte aligned offset.
+    every weight and position table, each at a 64-byte aligned offset;
+``manifest.sha256``
+    the manifest's own SHA-256 (hex), so that an edited manifest is refused too.
 
 :func:`load_artifact` checks the format and every file's hash before anything runs, and
 attaches the weights to a program when it is first used.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zipfile
+import zlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -31,8 +34,9 @@ from edgetvm.errors import EdgeTVMError
 from .model import ModelInfo, program_name
 
 FORMAT = "edgetvm-model"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                  # 2: manifest.sha256
 MANIFEST = "manifest.json"
+MANIFEST_DIGEST = "manifest.sha256"
 WEIGHTS = "weights.bin"
 ALIGN = 64
 
@@ -88,29 +92,45 @@ class Artifact:
         return p
 
     def _read(self, name: str) -> bytes:
-        data = self._zip.read(name)
+        data = _entry_bytes(self._zip, name, self.path)
         if sha256(data) != self.manifest["files"].get(name):
             raise ArtifactError(f"{self.path}: {name} does not match its SHA-256 in the "
                                 f"manifest (the file was altered or damaged)")
         return data
 
 
+def _entry_bytes(z, name: str, path: str) -> bytes:
+    """An entry of the zip; a damaged one (bad CRC, bad deflate data) is an ArtifactError."""
+    try:
+        return z.read(name)
+    except KeyError:
+        raise ArtifactError(f"{path}: no {name}") from None
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as e:
+        raise ArtifactError(f"{path}: {name} is damaged ({e})") from None
+
+
 def load_artifact(path: str) -> Artifact:
     """Open and verify a model.npu (format, version, the hash of every file)."""
     try:
         z = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as e:
+    except (OSError, zipfile.BadZipFile, ValueError) as e:
         raise ArtifactError(f"{path}: not a model.npu ({e})") from None
+    body = _entry_bytes(z, MANIFEST, path)
     try:
-        manifest = json.loads(z.read(MANIFEST))
-    except (KeyError, ValueError) as e:
+        manifest = json.loads(body)
+    except ValueError as e:
         raise ArtifactError(f"{path}: no readable {MANIFEST} ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: {MANIFEST} is not an object")
     if manifest.get("format") != FORMAT:
         raise ArtifactError(f"{path}: not an edgetvm model (format {manifest.get('format')!r})")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(f"{path}: model format version {manifest.get('format_version')}; "
                             f"this edgetvm reads version {FORMAT_VERSION}. Rebuild it.")
-    names = set(z.namelist()) - {MANIFEST}
+    if _entry_bytes(z, MANIFEST_DIGEST, path).decode("ascii", "replace") != sha256(body):
+        raise ArtifactError(f"{path}: {MANIFEST} does not match its SHA-256 "
+                            f"({MANIFEST_DIGEST}): the manifest was altered or damaged")
+    names = set(z.namelist()) - {MANIFEST, MANIFEST_DIGEST}
     listed = set(manifest.get("files", {}))
     if names != listed:
         raise ArtifactError(f"{path}: files {sorted(names ^ listed)} are not what the "

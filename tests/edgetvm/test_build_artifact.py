@@ -138,6 +138,37 @@ def test_a_damaged_or_altered_artifact_is_refused(artifact, tmp_path):
     with pytest.raises(ArtifactError, match="not a model.npu"):
         load_artifact(str(bad))
 
+    # an edited manifest (here the strategy it reports, then the model's KV capacity)
+    for field, value in (("strategy", "mega"), ("model", None)):
+        def edit(name, data, field=field, value=value):
+            if name != "manifest.json":
+                return data
+            m = json.loads(data)
+            if value is None:
+                m["model"]["max_tokens"] *= 2
+            else:
+                m[field] = value
+            return json.dumps(m, indent=1, sort_keys=True).encode()
+        _rewrite(artifact, bad, edit)
+        with pytest.raises(ArtifactError, match="manifest.json does not match its SHA-256"):
+            load_artifact(str(bad))
+    # a manifest that is JSON but not an object
+    _rewrite(artifact, bad, lambda name, data: b"[1]" if name == "manifest.json" else data)
+    with pytest.raises(ArtifactError, match="manifest.json is not an object"):
+        load_artifact(str(bad))
+    # damaged deflate data or a bad CRC: the zip's own errors, named
+    raw = bytearray(artifact.read_bytes())
+    with zipfile.ZipFile(artifact) as z:
+        infos = {i.filename: i for i in z.infolist()}
+    for name in ("manifest.json", "weights.bin"):
+        i = infos[name]
+        b = bytearray(raw)
+        start = i.header_offset + 30 + len(i.filename.encode()) + len(i.extra)
+        b[start + i.compress_size // 2] ^= 0xFF
+        bad.write_bytes(bytes(b))
+        with pytest.raises(ArtifactError, match=f"{name} is damaged"):
+            load_artifact(str(bad))
+
 
 def test_build_and_run_commands(artifact, tmp_path, capsys):
     out = tmp_path / "cli.npu"
