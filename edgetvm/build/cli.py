@@ -164,8 +164,9 @@ def parse_build_args(ap, argv):
 def check_build_options(ap, args) -> None:
     if args.chunk is not None and args.chunk < 1:
         ap.error("--chunk must be >= 1")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        ap.error("--max-tokens must be >= 1")
+    from edgetvm.build.compiler import MAX_KV_TOKENS
+    if args.max_tokens is not None and not 1 <= args.max_tokens <= MAX_KV_TOKENS:
+        ap.error(f"--max-tokens must be in 1..{MAX_KV_TOKENS}")
     if args.quantize is None and (args.keep_fp16 is not None or args.zero_points != "float"):
         ap.error("--zero-points and --keep-fp16 apply to --quantize G")
 

@@ -266,6 +266,12 @@ class ModelCompiler:
 DEFAULT_MAX_TOKENS = 1024
 
 
+#: the largest KV capacity a build takes: the build checks the attention masks at the
+#: cache's end, a (tokens x tokens) evaluation (8,192 tokens: 13 s and 0.95 GB for the tiny
+#: Llama; 100,000 ran out of memory after 2 minutes)
+MAX_KV_TOKENS = 16384
+
+
 def resolve_max_tokens(asked, limit) -> int:
     """The KV capacity: ``asked``, else the default capped by the positions the model can
     address (``limit``, its learned position table); asking for more is refused."""
@@ -276,6 +282,9 @@ def resolve_max_tokens(asked, limit) -> int:
         return DEFAULT_MAX_TOKENS
     if int(asked) < 1:
         raise BuildError(f"a KV cache of {asked} tokens")
+    if int(asked) > MAX_KV_TOKENS:
+        raise BuildError(f"a KV cache of {asked} tokens: edgetvm builds caches of up to "
+                         f"{MAX_KV_TOKENS} tokens")
     if limit is not None and int(asked) > limit:
         raise BuildError(f"the model looks positions up in a table of {limit} rows: a KV "
                          f"cache of {asked} tokens would read past it (--max-tokens {limit} "

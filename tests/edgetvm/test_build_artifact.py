@@ -258,3 +258,16 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, c
         err = capsys.readouterr().err
         assert err.startswith(f"error: {flag} ") and ("no directory" in err or
                                                       "is a directory" in err), err
+
+
+def test_a_kv_capacity_past_what_a_build_takes_is_refused_at_once(tmp_path, capsys):
+    """--max-tokens 100000 ran the build's mask check out of memory after 2 minutes."""
+    from edgetvm.build.compiler import MAX_KV_TOKENS, ModelCompiler
+    from edgetvm.build.graph import BuildError
+
+    for n in (str(MAX_KV_TOKENS + 1), "99999999999999999999"):
+        with pytest.raises(SystemExit):
+            build_main([LLAMA, "-o", str(tmp_path / "m.npu"), "--max-tokens", n])
+        assert f"--max-tokens must be in 1..{MAX_KV_TOKENS}" in capsys.readouterr().err
+    with pytest.raises(BuildError, match=f"caches of up to {MAX_KV_TOKENS} tokens"):
+        ModelCompiler(LLAMA, max_tokens=MAX_KV_TOKENS + 1)
