@@ -124,7 +124,11 @@ def cached_build(args):
         else:
             print(f"using the build in {path}", flush=True)
             return art
-    os.makedirs(cache_dir(), exist_ok=True)
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+    except OSError as e:
+        raise EdgeTVMError(f"the build cache {cache_dir()} ($EDGETVM_CACHE) is not a "
+                           f"directory edgetvm can create: {e.strerror}") from None
     print(f"building {args.model} for {spec.name} into {path} ...", flush=True)
     build(args.model, path, target=spec, profile=args.profile, strategy=args.strategy,
           buckets=args.buckets or DEFAULT_BUCKETS, chunk=args.chunk, quantize=quantizer_of(args), max_tokens=args.max_tokens,
@@ -155,6 +159,10 @@ def run_artifact(art, args) -> list:
     path = art.path
     m = art.manifest
     spec = load_spec(args.target or m["target"]["name"])
+    if spec.name != m["target"]["name"]:
+        raise EdgeTVMError(f"{path} was built for {m['target']['name']}, not "
+                           f"{spec.name} (--target): build it for {spec.name}, or leave "
+                           f"--target out")
     if spec.hash() != m["target"]["hash"]:
         raise EdgeTVMError(f"{path} was built for {m['target']['name']} "
                            f"({m['target']['hash']}); this edgetvm's spec hashes to "
@@ -188,7 +196,7 @@ def run_artifact(art, args) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m edgetvm.run",
-                                 description=__doc__.split("\n")[2])
+                                 description=" ".join(__doc__.split("\n\n")[1].split()))
     ap.add_argument("model", help="model.npu (python -m edgetvm.build), or an ONNX file "
                                   "(text-generation-with-past export)")
     ap.add_argument("--prompt-ids", type=_ids, required=True, help="e.g. 1,504,3575")

@@ -55,9 +55,7 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
         replay = Replay(log_dir, log_context(onnx_path, mc.spec, mc.profile, quantize))
         mc.knobs_for = replay
         mc.set_cuts(replay.cuts_for)
-    rows = tuple(b for b in asked if b <= mc.max_tokens)
-    if not rows:
-        raise EdgeTVMError(f"no prefill bucket fits a KV cache of {mc.max_tokens} tokens")
+    rows = prefill_rows(asked, mc.max_tokens, chunk)
     keys = mc.phase_keys(rows, chunked=bool(chunk))
     jobs = default_jobs() if jobs is None else jobs
     bar = _progress(len(keys), progress)
@@ -109,6 +107,21 @@ def _layer_names(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"--keep-fp16: unknown layer(s) {', '.join(unknown)}; "
                                          f"known: {', '.join(KEEP_FP16_LAYERS)}")
     return names
+
+
+def prefill_rows(asked, max_tokens: int, chunk=None) -> tuple:
+    """The prefill buckets of ``asked`` that fit a KV cache of ``max_tokens``; none is
+    refused, naming what would fit."""
+    rows = tuple(b for b in asked if b <= max_tokens)
+    if rows:
+        return rows
+    fit = 1 << (max_tokens.bit_length() - 1)           # a power of two that fits
+    if chunk:
+        raise EdgeTVMError(f"--chunk {chunk} is over the KV cache of {max_tokens} tokens "
+                           f"(--chunk {fit}, or a larger --max-tokens)")
+    raise EdgeTVMError(f"no prefill bucket of {','.join(map(str, asked))} fits a KV cache of "
+                       f"{max_tokens} tokens (--buckets {fit} or --chunk {fit}, or a larger "
+                       f"--max-tokens)")
 
 
 def add_target_options(ap, buckets_default=DEFAULT_BUCKETS) -> None:
@@ -197,6 +210,10 @@ def main(argv=None) -> int:
         ap.error("--jobs must be >= 1")
     try:
         check_output_file(args.output, "-o")
+        if os.path.exists(args.output) and os.path.exists(args.model) and \
+                os.path.samefile(args.output, args.model):
+            raise EdgeTVMError(f"-o {args.output} is the model being built; name another "
+                               f"file (model.npu)")
         m = build(args.model, args.output, target=args.target, profile=args.profile,
                   strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
                   quantize=quantizer_of(args), max_tokens=args.max_tokens,

@@ -165,9 +165,19 @@ class ModelRunner:
         pieces = [prompt[i:i + size] for i in range(0, len(prompt), size)]
         # every step has a program, or nothing runs (not a refusal after the first chunks)
         at = 0
-        for piece in pieces:
-            self.key_for(len(piece), at)
-            at += len(piece)
+        try:
+            for piece in pieces:
+                key = self.key_for(len(piece), at)
+                if at % self.info.page_tokens and "dst_page.0" in self.program(key).params:
+                    raise EdgeTVMError(
+                        f"a chunk at position {at}: {program_name(key)} appends whole KV "
+                        f"pages (chunks at multiples of {self.info.page_tokens} tokens)")
+                at += len(piece)
+        except EdgeTVMError as e:
+            if chunk is None:
+                raise
+            raise EdgeTVMError(f"chunks of {chunk}: {e}; build the model with --chunk "
+                               f"{chunk}, or run without --chunk") from None
         if max_new_tokens > 1:
             self.key_for(1, at + max_new_tokens - 2)
         records, pos, token = [], 0, None

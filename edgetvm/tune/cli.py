@@ -90,7 +90,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     import math
     import time
 
-    from edgetvm.build.cli import DEFAULT_BUCKETS
+    from edgetvm.build.cli import DEFAULT_BUCKETS, prefill_rows
     from edgetvm.build.compiler import ModelCompiler
 
     from .log import Replay, TuningLog, log_context
@@ -110,9 +110,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     asked = (chunk,) if chunk else tuple(sorted(set(buckets or DEFAULT_BUCKETS)))
     mc = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
                        strategy=strategy, max_rows=max(asked), profile=profile)
-    rows = tuple(b for b in asked if b <= mc.max_tokens)
-    if not rows:
-        raise EdgeTVMError(f"no prefill bucket fits a KV cache of {mc.max_tokens} tokens")
+    rows = prefill_rows(asked, mc.max_tokens, chunk)
     keys = select_keys(mc.phase_keys(rows, chunked=bool(chunk)), phases)
     ctx = log_context(onnx_path, mc.spec, mc.profile, quantize)
     opts = dict(seed=seed, batch=batch, use_model=use_model, progress=progress)

@@ -258,6 +258,17 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, c
         err = capsys.readouterr().err
         assert err.startswith(f"error: {flag} ") and ("no directory" in err or
                                                       "is a directory" in err), err
+    # the model itself as the output: it would be overwritten by the zip
+    model = tmp_path / "m.onnx"
+    model.write_bytes(pathlib.Path(LLAMA).read_bytes())
+    assert build_main([str(model), "-o", str(model)]) == 1
+    assert "is the model being built" in capsys.readouterr().err
+    assert model.read_bytes() == pathlib.Path(LLAMA).read_bytes()
+    # a build cache that is a file
+    monkeypatch.undo()
+    monkeypatch.setenv("EDGETVM_CACHE", str(model))
+    assert run_main([LLAMA, "--prompt-ids", "1,2"]) == 2
+    assert "is not a directory edgetvm can create" in capsys.readouterr().err
 
 
 def test_a_kv_capacity_past_what_a_build_takes_is_refused_at_once(tmp_path, capsys):
@@ -271,3 +282,26 @@ def test_a_kv_capacity_past_what_a_build_takes_is_refused_at_once(tmp_path, caps
         assert f"--max-tokens must be in 1..{MAX_KV_TOKENS}" in capsys.readouterr().err
     with pytest.raises(BuildError, match=f"caches of up to {MAX_KV_TOKENS} tokens"):
         ModelCompiler(LLAMA, max_tokens=MAX_KV_TOKENS + 1)
+
+
+def test_refusals_name_the_option_that_would_serve(artifact, capsys):
+    """No bucket fits the cache, a chunk over it, an artifact run with another --target or
+    with chunks its prefill programs do not serve: each refused before any step, naming
+    the option that fixes it."""
+    from edgetvm.build.cli import prefill_rows
+    from edgetvm.errors import EdgeTVMError
+
+    assert prefill_rows((16, 32, 64), 40) == (16, 32)
+    with pytest.raises(EdgeTVMError, match=r"--buckets 8 or --chunk 8, or a larger"):
+        prefill_rows((16, 32), 15)
+    with pytest.raises(EdgeTVMError, match=r"--chunk 2000 is over the KV cache of 1024 "
+                                           r"tokens \(--chunk 1024"):
+        prefill_rows((2000,), 1024, chunk=2000)
+    assert run_main([str(artifact), "--prompt-ids", "5", "--target", "edge-npu-4mb"]) == 2
+    assert "built for edge-npu-16mb, not edge-npu-4mb (--target)" in capsys.readouterr().err
+    # chunks of 4 at 0, 4 and 8 run on the 8-row bucket; the one at 12 needs 16 rows, whose
+    # programs append whole pages
+    assert run_main([str(artifact), "--prompt-ids", ",".join(["5"] * 16), "--chunk", "4"]) == 2
+    out = capsys.readouterr()
+    assert "chunks of 4: a chunk at position 12" in out.err and "--chunk 4" in out.err
+    assert "prefill" not in out.out.split("step ")[-1]          # no step ran
