@@ -29,7 +29,8 @@ def _parse_dims(items: list[str]) -> dict:
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not value.strip().isdigit():
-            raise EdgeTVMError(f"--dim expects NAME=INT, got {item!r}")
+            raise EdgeTVMError(f"--dim expects NAME=N with N a whole number >= 0, got "
+                               f"{item!r}")
         dims[name.strip()] = int(value)
     return dims
 
@@ -81,6 +82,10 @@ def inspect_model(path: str, dims: dict | None = None, *, phase: str = "decode",
 
     imported = import_onnx(path)
     counted = stated_dims(imported, phase, length, max_tokens)
+    unknown = sorted(set(dims or {}) - set(counted))
+    if unknown:
+        raise EdgeTVMError(f"--dim: the model has no symbolic dimension "
+                           f"{', '.join(unknown)}; it has {', '.join(sorted(counted)) or 'none'}")
     counted.update(dims or {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -112,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="ONNX model file")
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode",
                         help="the step FLOPs are counted for (default decode at KV capacity)")
-    parser.add_argument("--length", type=int, default=128,
+    parser.add_argument("--length", type=int, default=None,
                         help="prefill tokens for --phase prefill (default 128)")
-    parser.add_argument("--max-tokens", type=int, default=1024,
+    parser.add_argument("--max-tokens", type=int, default=None,
                         help="KV cache capacity: decode is counted with max_tokens - 1 past "
-                             "tokens (default 1024)")
+                             "tokens (default: the build's, 1024 or fewer when the model "
+                             "bounds it)")
     parser.add_argument("--quantize", type=int, choices=(32, 64, 128), default=None,
                         metavar="G", help="inspect the model as run with --quantize G")
     parser.add_argument(
@@ -127,12 +133,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true",
                         help="skip the check of what the compiled path makes of the model")
     args = parser.parse_args(argv)
-    if args.length < 1 or args.max_tokens < 2:
+    if args.length is not None and args.phase != "prefill":
+        parser.error("--length is the prefill's tokens: it goes with --phase prefill")
+    length = 128 if args.length is None else args.length
+    if length < 1 or (args.max_tokens is not None and args.max_tokens < 2):
         parser.error("--length must be >= 1 and --max-tokens >= 2")
     try:
         dims = _parse_dims(args.dim)
+        # the compiled path first: it knows the KV capacity the model allows (a learned
+        # position table, a sliding window), at which the FLOPs are counted
+        compiled, capacity = (None, None) if args.no_compile else \
+            compiled_path(args.model, args.quantize, args.max_tokens)
+        max_tokens = args.max_tokens or capacity or 1024
+        if args.phase == "prefill" and length > max_tokens:
+            raise EdgeTVMError(f"--length {length} is over the KV cache of {max_tokens} "
+                               f"tokens")
         _, reports, counted = inspect_model(args.model, dims, phase=args.phase,
-                                            length=args.length, max_tokens=args.max_tokens,
+                                            length=length, max_tokens=max_tokens,
                                             quantize=args.quantize)
     except EdgeTVMError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -142,40 +159,41 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}")
     for report in reports:
         print(report.format_table())
-    step = ("decode step at KV capacity" if args.phase == "decode"
-            else f"prefill of {args.length} tokens")
+    step = (f"decode step at KV capacity {max_tokens}" if args.phase == "decode"
+            else f"prefill of {length} tokens")
     if counted:
         print(f"FLOPs counted for one {step}: " +
               ", ".join(f"{k}={v}" for k, v in counted.items()))
     else:
         print("FLOPs counted at the model's fixed shapes (it has no symbolic dimensions)")
     print(COVERAGE_DEFINITION)
-    if not args.no_compile:
-        print(compiled_path(args.model, args.quantize))
+    if compiled is not None:
+        print(compiled)
     return 0
 
 
-def compiled_path(model: str, quantize=None) -> str:
+def compiled_path(model: str, quantize=None, max_tokens=None) -> tuple:
     """What the compiled path (``edgetvm.build``, ``edgetvm.run`` without
-    ``--reference``) makes of the model: the ops it runs on the host, or why it refuses."""
+    ``--reference``) makes of the model: the ops it runs on the host, or why it refuses;
+    and its KV capacity (None if refused)."""
     from edgetvm.build.compiler import ModelCompiler
     head = "compiled path (edgetvm.build; edgetvm.run without --reference):"
     try:
-        mc = ModelCompiler(model, quantize=quantize, max_rows=16)
+        mc = ModelCompiler(model, quantize=quantize, max_rows=16, max_tokens=max_tokens)
         notes = sorted({n for key in (("decode", 1, 1), ("prefill", 16, 1))
                         for n in mc.graph(*key).host_notes})
     except EdgeTVMError as err:
-        return f"{head} refused: {err}"
+        return f"{head} refused: {err}", None
     except Exception as err:         # noqa: BLE001 - inspect reports, it does not crash
         lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
         return f"{head} fails to compile ({type(err).__name__}: " \
-               f"{lines[-1] if lines else ''}): please report it"
-    if mc.capacity_bound:
+               f"{lines[-1] if lines else ''}): please report it", None
+    if mc.capacity_bound and max_tokens is None:
         head += f" KV cache capacity {mc.max_tokens} tokens by default ({mc.capacity_bound});"
     if not notes:
-        return f"{head} every op on the NPU"
+        return f"{head} every op on the NPU", mc.max_tokens
     return "\n  ".join([f"{head} {len(notes)} op(s) on the host between NPU kernels:"] +
-                       notes)
+                       notes), mc.max_tokens
 
 
 if __name__ == "__main__":

@@ -167,6 +167,25 @@ def test_inspect_says_what_the_compiled_path_makes_of_a_model(capsys):
         "every op on the NPU" in compiled["mistral_sw24"]
 
 
+def test_inspect_counts_flops_at_the_capacity_the_build_allows(capsys):
+    """GPT-2's tiny export addresses 256 positions: decode is counted at 255 past tokens
+    (it said 1023, then a capacity of 256); options that do not apply are refused."""
+    from edgetvm.inspect import main as inspect_main
+    gpt2 = str(_path("gpt2"))
+    assert inspect_main([gpt2]) == 0
+    out = capsys.readouterr().out
+    assert "decode step at KV capacity 256: batch_size=1, sequence_length=1, " \
+        "past_sequence_length=255" in out
+    for argv, message in ((["--dim", "foo=3"], "no symbolic dimension foo"),
+                          (["--phase", "prefill", "--length", "1000"],
+                           "--length 1000 is over the KV cache of 256 tokens")):
+        assert inspect_main([gpt2, *argv]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        inspect_main([gpt2, "--length", "64"])
+    assert "goes with --phase prefill" in capsys.readouterr().err
+
+
 def test_a_sliding_window_within_the_cache_is_refused_not_miscompiled():
     """Mistral's mask hides keys 24 or more positions behind the query, which the NPU
     attention does not: its mask is causal at the first positions the build used to
