@@ -39,8 +39,11 @@ DEFAULT_RTOL = 1e-2
 
 
 def _ids(text: str) -> list:
+    items = text.split(",")
+    if text.strip() and any(not t.strip() for t in items):
+        raise argparse.ArgumentTypeError(f"--prompt-ids has an empty item: {text!r}")
     try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
+        ids = [int(t) for t in items if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--prompt-ids wants comma-separated integers, got "
                                          f"{text!r}") from None

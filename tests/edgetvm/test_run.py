@@ -184,6 +184,10 @@ def test_run_refuses_what_check_onnx_cannot_compare_before_running(monkeypatch, 
     for extra in ([], ["--reference"]):
         assert main([MODEL, "--prompt-ids", "5", "--check-onnx", bundled, *extra]) == 2
         assert "its logits have 2048 entries, the model's 512" in capsys.readouterr().err
+    for bad in ("1,,2", ""):
+        with pytest.raises(SystemExit):
+            main([MODEL, "--prompt-ids", bad])
+        assert "--prompt-ids" in capsys.readouterr().err
     for tol in (["--atol", "-1"], ["--rtol", "nan"]):
         with pytest.raises(SystemExit):
             main([MODEL, "--prompt-ids", "5", "--check-onnx", *tol])
