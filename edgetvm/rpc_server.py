@@ -438,6 +438,11 @@ def _parse_args(argv) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.port_end is not None and args.port_end <= args.port:
         parser.error(f"--port-end {args.port_end} must be greater than --port {args.port}")
+    import socket
+    try:
+        socket.getaddrinfo(args.host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        parser.error(f"--host {args.host}: cannot resolve it ({exc})")
     if not _is_loopback(args.host) and not args.allow_remote:
         parser.error(f"--host {args.host} can be reached from other machines; a client that "
                      "connects can run programs on this machine's CPU and memory within the "

@@ -226,6 +226,13 @@ def test_only_emulator_calls_are_answered(server, call):
         channel.close()
 
 
+def test_a_host_that_does_not_resolve_is_named(capsys):
+    from edgetvm.rpc_server import _parse_args
+    with pytest.raises(SystemExit):
+        _parse_args(["--host", "nosuchhost.invalid", "--port", "9"])
+    assert "--host nosuchhost.invalid: cannot resolve it" in capsys.readouterr().err
+
+
 def test_binding_a_reachable_address_needs_a_flag():
     proc = subprocess.run([sys.executable, "-m", "edgetvm.rpc_server", "--host", "0.0.0.0",
                            "--port", str(free_port())], capture_output=True, text=True,
