@@ -100,6 +100,9 @@ def _progress(total: int, on: bool):
 def _layer_names(text: str) -> tuple:
     from edgetvm.relax_passes.quantize_w4a16 import KEEP_FP16_LAYERS
     names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("--keep-fp16 is empty; 'none' quantizes every "
+                                         "linear")
     if names == ("none",):
         return ()
     unknown = sorted(set(names) - set(KEEP_FP16_LAYERS))

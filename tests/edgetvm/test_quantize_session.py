@@ -108,6 +108,7 @@ def test_run_cli_quantize(capsys):
 @pytest.mark.parametrize("args, message", [
     (["--quantize", "32", "--keep-fp16", "lm_hed"], "unknown layer(s) lm_hed"),
     (["--keep-fp16", "lm_head"], "apply to --quantize G"),
+    (["--quantize", "32", "--keep-fp16", ""], "--keep-fp16 is empty"),
     (["--quantize", "32", "--zero-points", "int8"], "invalid choice"),
 ])
 def test_run_cli_refuses_bad_quantization_options(capsys, args, message):
