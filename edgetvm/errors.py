@@ -3,6 +3,7 @@
 Every error a user can trigger with bad input is one of these, with a message that names
 the problem (the file, the op, the command index), never a traceback from inside TVM.
 """
+import os
 
 
 class EdgeTVMError(Exception):
@@ -47,8 +48,6 @@ class RequestRefused(EdgeTVMError):
 def check_output_file(path: str, option: str) -> None:
     """Refuse, before any work, an output file that cannot be written: ``path`` (given by
     ``option``, e.g. ``-o``) is a directory, or its directory is missing or not writable."""
-    import os
-
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise EdgeTVMError(f"{option} {path}: is a directory; name the file to write")
@@ -61,8 +60,6 @@ def check_output_file(path: str, option: str) -> None:
 
 def check_input_file(path: str, what: str = "an .onnx file") -> None:
     """Refuse, before any work, an input file that is missing or a directory."""
-    import os
-
     if os.path.isdir(path):
         raise EdgeTVMError(f"{path}: is a directory, expected {what}")
     if not os.path.isfile(path):

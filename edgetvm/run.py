@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import sys
 
@@ -134,8 +135,9 @@ def cached_build(args):
                            f"directory edgetvm can create: {e.strerror}") from None
     print(f"building {args.model} for {spec.name} into {path} ...", flush=True)
     build(args.model, path, target=spec, profile=args.profile, strategy=args.strategy,
-          buckets=args.buckets or DEFAULT_BUCKETS, chunk=args.chunk, quantize=quantizer_of(args), max_tokens=args.max_tokens,
-          progress=not args.quiet, log_dir=args.log)
+          buckets=args.buckets or DEFAULT_BUCKETS, chunk=args.chunk,
+          quantize=quantizer_of(args), max_tokens=args.max_tokens, progress=not args.quiet,
+          log_dir=args.log)
     return load_artifact(path)
 
 
@@ -251,7 +253,6 @@ def main(argv=None) -> int:
     if is_artifact and args.log:
         ap.error("--log replays a tuning log while building an ONNX file; a model.npu "
                  "is already built")
-    import math
     if not (math.isfinite(args.atol) and args.atol >= 0 and math.isfinite(args.rtol) and
             args.rtol >= 0):
         ap.error("--atol and --rtol must be finite and >= 0")
@@ -264,18 +265,18 @@ def main(argv=None) -> int:
         if not is_artifact:
             check_input_file(args.model)
         reference = _reference_runner(args) if args.check_onnx else None
+        if not is_artifact:
+            _check_vocab(lambda: _vocab_of(args.model), args)
         if args.reference:
-            _check_vocab(_vocab_of(args.model), args)
             recs = run_reference(args)
         else:
             if is_artifact:
                 from edgetvm.runtime.artifact import load_artifact
                 art = load_artifact(args.model)
-                _same_onnx(art, args)
+                if not _same_onnx(art, args):
+                    _check_vocab(lambda: art.manifest["model"]["vocab"], args)
             else:
-                _check_vocab(_vocab_of(args.model), args)
                 art = cached_build(args)
-            _check_vocab(art.manifest["model"]["vocab"], args)
             recs = run_artifact(art, args)
         return _report(recs, args, reference)
     except EdgeTVMError as e:
@@ -341,9 +342,13 @@ def _vocab_of(path: str):
     return dims[-1].dim_value or None if dims else None
 
 
-def _check_vocab(vocab, args) -> None:
-    """Refuse, before the run, a --check-onnx file whose logits are of another width."""
-    if not args.check_onnx or vocab is None:
+def _check_vocab(vocab_of, args) -> None:
+    """Refuse, before the run, a --check-onnx file whose logits are of another width than
+    the model's (``vocab_of()``) when it is another file than the model."""
+    if not args.check_onnx or args.check_onnx is True:
+        return
+    vocab = vocab_of()
+    if vocab is None:
         return
     path = _check_onnx_path(args)
     theirs = _vocab_of(path)
@@ -352,17 +357,19 @@ def _check_vocab(vocab, args) -> None:
                            f"model's {vocab}: not the same model")
 
 
-def _same_onnx(art, args) -> None:
-    """Say, before the run, when --check-onnx names another file than the artifact's."""
+def _same_onnx(art, args) -> bool:
+    """Whether --check-onnx names the ONNX file the artifact was built from; says so, before
+    the run, when it does not."""
     if not args.check_onnx:
-        return
+        return True
     from edgetvm.build.fingerprint import file_sha256
     path = _check_onnx_path(args)
     built = (art.manifest.get("onnx") or {}).get("sha256")
-    if built and file_sha256(path) != built:
-        print(f"check-onnx: {path} is not the ONNX file {args.model} was built from "
-              f"(another SHA-256); a difference may be the files', not the program's",
-              flush=True)
+    if built and file_sha256(path) == built:
+        return True
+    print(f"check-onnx: {path} is not the ONNX file {args.model} was built from (another "
+          f"SHA-256); a difference may be the files', not the program's", flush=True)
+    return False
 
 
 def _report(recs, args, reference=None) -> int:

@@ -40,7 +40,7 @@ def test_artifact_runs_token_exact_and_loads_nothing_but_its_own_files(artifact)
                           "max_tokens": 64, "vocab": 512}
     # weights live in the pack, once: programs share them by name
     with zipfile.ZipFile(artifact) as z:
-        assert set(z.namelist()) == {"manifest.json", "weights.bin"} | \
+        assert set(z.namelist()) == {"manifest.json", "manifest.sha256", "weights.bin"} | \
             {e["file"] for e in m["programs"]}
     run, names, kv = onnxruntime_model(LLAMA)
     want, calls = greedy_loop(run, names, kv, [5, 17, 42, 7], 10)
