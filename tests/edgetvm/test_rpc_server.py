@@ -23,7 +23,7 @@ from rpc_helpers import (KEY, SPEC, expect_listening, free_port, gemm_inputs, ge
                          wait_for_free_servers, wait_for_port)
 
 from edgetvm import rpc_protocol
-from edgetvm.errors import RequestRefused
+from edgetvm.errors import EdgeTVMError, RequestRefused
 from edgetvm.rpc_protocol import recv_frame, send_frame, unpack_message
 from edgetvm.runner import RPCRunner, RunnerConnectionError, TrackerRunner
 from edgetvm.runner.rpc import _RPCChannel
@@ -316,9 +316,14 @@ def test_specs_are_presets_or_fields_never_paths(server, spec):
 
 def test_client_spec_fields_are_bounded(server):
     port, _ = server
-    huge = SPEC.replace(tcm_bytes=1 << 40)
+    # over this server's --max-tensor-mb 64 (a valid spec: its TCM is under 1 GiB)
+    huge = SPEC.replace(tcm_bytes=1 << 28)
     with pytest.raises(RequestRefused, match="tcm_bytes"):
         RPCRunner("127.0.0.1", port, huge, key=KEY).run(gemm_program(), gemm_inputs(0))
+    # past what any spec may declare: refused as a spec
+    with pytest.raises(EdgeTVMError, match="tcm_bytes must be <= 1073741824"):
+        RPCRunner("127.0.0.1", port, SPEC.replace(tcm_bytes=1 << 40), key=KEY).run(
+            gemm_program(), gemm_inputs(0))
     tiny_windows = SPEC.replace(power_window_cycles=1)
     with pytest.raises(RequestRefused, match="power_window_cycles"):
         RPCRunner("127.0.0.1", port, tiny_windows, key=KEY).run(gemm_program(),

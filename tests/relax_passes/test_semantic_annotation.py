@@ -256,4 +256,4 @@ def test_cli_bad_dim_exits_2(tmp_path, capsys):
     path = tmp_path / "generic.onnx"
     _elementwise_model(path)
     assert edge_inspect.main([str(path), "--dim", "seq"]) == 2
-    assert "NAME=INT" in capsys.readouterr().err
+    assert "--dim expects NAME=N" in capsys.readouterr().err
