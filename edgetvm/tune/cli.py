@@ -323,8 +323,14 @@ def main(argv=None) -> int:
     args = parse_build_args(ap, argv)
     if args.trials is not None and args.trials < 1:
         ap.error("--trials must be >= 1")
-    if args.time_budget is not None and args.time_budget <= 0:
-        ap.error("--time-budget must be > 0")
+    import math
+    if args.time_budget is not None and not (math.isfinite(args.time_budget) and
+                                             args.time_budget > 0):
+        ap.error("--time-budget must be a finite number of seconds > 0")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        ap.error("--timeout must be a finite number of seconds > 0")
+    if args.kinds and args.no_cuts and "partition" in args.kinds.split(","):
+        ap.error("--kinds partition tunes the cut points, which --no-cuts leaves out")
     if args.workers < 1 or args.batch < 1:
         ap.error("--workers and --batch must be >= 1")
     if args.rpc_key and not args.rpc_tracker:
@@ -352,6 +358,11 @@ def main(argv=None) -> int:
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # every measurement is in the log as it ends: nothing is lost
+        print(f"\ninterrupted; every measurement made is in {args.log} (rerun the same "
+              f"command to resume: nothing measured is measured again)", file=sys.stderr)
+        return 130
     print(format_report(rep))
     if args.report_json:
         with open(args.report_json, "w") as f:

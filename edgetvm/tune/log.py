@@ -139,6 +139,8 @@ class Record:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Record":
+        if not isinstance(d, dict):
+            raise ValueError(f"a record is a JSON object, not {type(d).__name__}")
         if d.get("v") not in (1, FORMAT_VERSION):
             raise ValueError(f"format version {d.get('v')!r}")
         ctx = LogContext(**{k: d[k] for k in CONTEXT_KEYS})
@@ -150,6 +152,12 @@ class Record:
             raise ValueError(f"a measured record without cycles ({cycles!r})")
         if not isinstance(d["knobs"], dict):
             raise ValueError("knobs are not an object")
+        if d["kind"] == "partition" and status == OK:
+            cuts = d["knobs"].get("cuts")
+            if not isinstance(cuts, list) or not all(
+                    isinstance(c, int) and not isinstance(c, bool) for c in cuts):
+                raise ValueError(f"a partition record whose cuts are not a list of "
+                                 f"integers ({cuts!r})")
         return cls(ctx, str(d["workload"]), str(d["kind"]), str(d["name"]), d["knobs"],
                    status, cycles, d.get("error"), d.get("dram_bytes"),
                    d.get("peak_power_mw"), float(d.get("wall_s", 0.0)),

@@ -249,7 +249,17 @@ def _fork_pool(state: tuple, workers: int, initializer=None):
     global _FORKED
     import multiprocessing as mp
     _FORKED = state
-    return mp.get_context("fork").Pool(workers, initializer=initializer)
+    return mp.get_context("fork").Pool(workers, initializer=_quiet_init,
+                                       initargs=(initializer,))
+
+
+def _quiet_init(initializer=None) -> None:
+    """A worker leaves Ctrl-C to the tuner, which stops the pool: a worker killed by it
+    while holding the pool's queue lock left the tuner's ``terminate`` waiting forever."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if initializer is not None:
+        initializer()
 
 
 def _stop_pool(pool) -> None:

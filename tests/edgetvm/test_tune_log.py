@@ -95,12 +95,17 @@ def test_a_damaged_line_in_the_middle_does_not_abort_the_load(tmp_path, caplog):
     d.mkdir()
     good = [rec(i).to_json() for i in range(3)]
     bad = json.dumps({"v": 1, "status": "ok"})          # parses, but is no record
-    (d / "records.jsonl").write_text("\n".join([good[0], "{not json", good[1], bad,
-                                                good[2]]) + "\n")
+    # JSON that is not an object, and a partition record whose cuts are not integers
+    # (replaying it raised AttributeError / ValueError)
+    cut = json.loads(Record(CTX, "w9", "partition", "run", {"cuts": ["x"]}, OK,
+                            cycles=1).to_json())
+    (d / "records.jsonl").write_text("\n".join([good[0], "{not json", good[1], bad, "null",
+                                                "[1, 2]", json.dumps(cut), good[2]]) + "\n")
     with caplog.at_level(logging.WARNING, logger="edgetvm"):
         tl = TuningLog(str(d))
         assert [r.name for r in tl.records()] == ["k0", "k1", "k2"]
-    assert tl.skipped == 2 and "unreadable" in caplog.text
+    assert tl.skipped == 5 and "unreadable" in caplog.text
+    assert "cuts are not a list of integers" in caplog.text
 
 
 WRITER = textwrap.dedent("""
