@@ -173,6 +173,15 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     rep = _merge(reps, time.time() - t_start)
     rep["programs"] = [f"{p}_{r}x{g}p" for p, r, g in keys]
     rep["context"] = ctx.as_dict()
+    failed = sum(t.get("failed", 0) for t in rep["tasks"])
+    if not _replay(log_dir, ctx) and failed:
+        # nothing measured: the report says so, and why, rather than a refusal to replay
+        first = next((t.get("first_error") for t in rep["tasks"] if t.get("first_error")), "")
+        rep["note"] = (f"no candidate was measured: {failed} trial(s) failed" +
+                       (f" (first: {first})" if first else "") +
+                       "; see the failures in the log" +
+                       ("; raise --timeout" if "TimeoutError" in first else ""))
+        validate = False
     if validate:
         mc.set_cuts(None)                # the default: the strategy's partition
         replay = Replay(log_dir, ctx)
@@ -255,13 +264,29 @@ def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
     if rpc_tracker:
         from edgetvm.rpc_protocol import DEFAULT_KEY
         from edgetvm.runner import connect
-        runner = connect(f"tracker://{rpc_tracker}/{rpc_key or DEFAULT_KEY}", spec=mc.spec,
+        key = rpc_key or DEFAULT_KEY
+        runner = connect(f"tracker://{rpc_tracker}/{key}", spec=mc.spec,
                          max_workers=workers if workers > 1 else None,
                          call_timeout=timeout)
+        _wait_for_a_server(runner, rpc_tracker, key)
         return RunnerMeasurer(mc, runner, profile, tasks, lower_workers=workers)
     if workers > 1:
         return ForkMeasurer(mc, tasks, profile, workers, timeout)
     return LocalMeasurer(mc, profile)
+
+
+def _wait_for_a_server(runner, tracker: str, key: str, grace_s: float = 10.0) -> None:
+    """Refuse a tracker with no server under ``key`` (after ``grace_s`` for one that is
+    starting): every trial would wait its request timeout for a server that never comes."""
+    import time
+    deadline = time.time() + grace_s
+    while runner.servers()["total"] == 0:
+        if time.time() > deadline:
+            runner.close()
+            raise EdgeTVMError(f"no emulator server is registered under key {key!r} at "
+                               f"tracker {tracker} (start one: python -m edgetvm.rpc_server "
+                               f"--tracker {tracker} --key {key})")
+        time.sleep(0.5)
 
 
 def main(argv=None) -> int:

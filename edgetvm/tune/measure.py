@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from edgetvm.build.cuts import joinable
 from edgetvm.build.graph import BuildError
 from edgetvm.build.measure import context_programs, measurement_params, run_twice
-from edgetvm.errors import CandidateRejected
+from edgetvm.errors import CandidateRejected, EdgeTVMError
 from edgetvm.target.emulator import CycleLimitExceeded, Emulator
 from edgetvm.target.emulator.power import MIN_SCALE
 
@@ -399,6 +399,7 @@ class RunnerMeasurer(Measurer):
                 runs += [RunJob(j.without, {}, j.without_params, self.profile),
                          RunJob(twice.without, {}, twice.without_params, self.profile)]
         res = self.runner.run_many(runs, return_exceptions=True) if runs else []
+        self._check_servers(res)
         wall = (time.time() - t0) / max(1, len(batch))
         alone = self._alone.get(task.workload)
         if isinstance(alone, int):           # measured in this batch
@@ -414,6 +415,18 @@ class RunnerMeasurer(Measurer):
             bad = next((r for r in (chain, alone) if isinstance(r, BaseException)), None)
             out.append((bad, wall) if bad is not None else (in_context(chain, alone), wall))
         return out
+
+    def _check_servers(self, results: list) -> None:
+        """Stop the tune when every run of a batch found no server and the tracker has none
+        left under the key (each trial would wait its request timeout, for ever)."""
+        from edgetvm.runner.base import RunnerConnectionError
+        if not results or not all(isinstance(r, RunnerConnectionError) for r in results):
+            return
+        servers = getattr(self.runner, "servers", None)
+        if servers is not None and servers()["total"] == 0:
+            raise EdgeTVMError(f"{self.runner!r}: no emulator server is registered under "
+                               f"the key any more ({results[0]}); the trials so far are in "
+                               f"the log: start servers and rerun to resume")
 
     def close(self) -> None:
         _stop_pool(self.pool)

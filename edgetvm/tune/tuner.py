@@ -127,6 +127,7 @@ class TaskState:
     default_over: bool = False   # the defaults themselves break the budget
     wall_s: float = 0.0          # time spent lowering and measuring its candidates
     walls: int = 0
+    first_error: str | None = None
 
     def offer(self, rec: Record) -> None:
         self.seen.add(rec.knobs_key)
@@ -138,6 +139,7 @@ class TaskState:
         self.trials += 1
         if rec.status == FAILED:
             self.failed += 1
+            self.first_error = self.first_error or (rec.error or "")[:200]
             return
         if rec.status == OVER_BUDGET:
             self.over_budget += 1
@@ -172,8 +174,11 @@ class Tuner:
     # -- resume ----------------------------------------------------------------------------
     def _resume(self) -> None:
         by_w = {s.task.workload: s for s in self.states}
+        # a trial that failed for want of a server (all gone, the wrong key) says nothing
+        # of its candidate: a resumed tune measures it again
         recs = [r for r in self.log.matching(self.ctx) if r.workload in by_w
-                and r.neighbours == by_w[r.workload].task.context]
+                and r.neighbours == by_w[r.workload].task.context
+                and not _no_server(r)]
         for r in recs:
             by_w[r.workload].offer(r)
         for s in self.states:
@@ -604,12 +609,19 @@ class Tuner:
                              speedup=(s.default_cycles / s.best_cycles)
                              if s.best_cycles and s.default_cycles else None,
                              trials=s.trials, rejected=s.rejected, failed=s.failed,
+                             first_error=s.first_error,
                              over_budget=s.over_budget,
                              space=t.space_size, best_knobs=s.best_knobs,
                              default_knobs=t.default_knobs))
         return dict(stage=self.desc, tasks=rows, measured=self.measured_now, seconds=seconds,
                     step_cycles_default=self.default_step_cycles(),
                     step_cycles_tuned=self.step_cycles(), log=self.log.path)
+
+
+def _no_server(r) -> bool:
+    """Did trial ``r`` fail because no emulator server answered (not because of its
+    candidate)?"""
+    return r.status == FAILED and (r.error or "").startswith("RunnerConnectionError")
 
 
 def _teaches(r) -> bool:
@@ -641,6 +653,8 @@ def format_report(rep: dict) -> str:
                      f"measurements in {st['seconds']:.1f} s" if b else
                      f"{st['stage']}: nothing measured")
     lines.append(f"{rep['measured']} measurements in {rep['seconds']:.1f} s; log {rep['log']}")
+    if rep.get("note"):
+        lines.append(rep["note"])
     if rep.get("phases"):
         lines.append(f"{'whole program (linked, prefetch)':<34} {'default_cyc':>11} "
                      f"{'tuned_cyc':>11} {'x':>6} {'kernels':>9} {'peak_mW':>8} {'tuned':>8} "

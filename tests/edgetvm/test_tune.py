@@ -1017,3 +1017,34 @@ def test_tune_refuses_budgets_and_options_that_cannot_work(argv, message, capsys
     with pytest.raises(SystemExit):
         tune_main([LLAMA, "--log", str(tmp_path / "log"), *argv])
     assert message in capsys.readouterr().err
+
+
+def test_a_trial_that_found_no_server_is_measured_again_on_resume(tmp_path, mc):
+    """A trial logged failed because no emulator server answered (all gone, the wrong key)
+    says nothing of its candidate: a resumed tune does not count it as tried. A trial
+    that failed on its own (here: any other error) stays tried."""
+    from edgetvm.tune.log import FAILED, Record
+    tasks = extract_tasks(mc, mc.phase_keys((8,)))
+    ctx = log_context(LLAMA, mc.spec, None, None)
+    t = tasks[0]
+    lost, bad = {"x": 1}, {"x": 2}
+    with TuningLog(str(tmp_path / "log")) as tlog:
+        for knobs, error in ((lost, "RunnerConnectionError: no server with key 'k' became "
+                                    "free on tracker 127.0.0.1:9 within 60 s"),
+                             (bad, "ValueError: boom")):
+            tlog.append(Record(ctx, t.workload, t.kind, t.label, knobs, FAILED, error=error,
+                               neighbours=t.context))
+        state = Tuner(mc, tasks, tlog, ctx, progress=False).states[0]
+    assert canonical_knobs(bad) in state.seen and canonical_knobs(lost) not in state.seen
+    assert state.failed == 1 and state.first_error == "ValueError: boom"
+
+
+def test_a_tune_whose_every_trial_fails_reports_why(tmp_path):
+    """Every candidate over a 0.01 s timeout: the tune reports its failures and the hint
+    (it ended in "no successful measurement for this build's context", the report lost)."""
+    rep = tune(LLAMA, buckets=(8,), max_tokens=64, phases=["decode_1x4p"], trials=4,
+               log_dir=str(tmp_path / "log"), workers=2, timeout=0.01, progress=False)
+    assert sum(t["failed"] for t in rep["tasks"]) >= 1
+    assert rep["note"].startswith("no candidate was measured") and "raise --timeout" in \
+        rep["note"]
+    assert rep["note"] in format_report(rep)

@@ -53,3 +53,19 @@ def test_tracker_measures_what_a_local_run_measures(tracker, tmp_path, profile, 
         assert (r.dram_bytes, r.peak_power_mw) == (m.dram_bytes, round(m.peak_power_mw, 3))
         if r.status == OVER_BUDGET:
             assert m.over_budget(mc.spec.profile(profile).budget_mw)
+
+
+def test_a_key_no_server_has_is_refused_at_once(tracker, tmp_path):
+    """A --rpc-key no server registered under: refused before any trial (each trial waited
+    60 s for a server that never came)."""
+    import time
+
+    from edgetvm.errors import EdgeTVMError
+    t0 = time.time()
+    with pytest.raises(EdgeTVMError, match="no emulator server is registered under key "
+                                           "'no-such-key'"):
+        tune(LLAMA, buckets=(16,), max_tokens=64, phases=["decode_1x4p"], trials=4,
+             log_dir=str(tmp_path / "log"), rpc_tracker=f"127.0.0.1:{tracker}",
+             rpc_key="no-such-key", progress=False)
+    assert time.time() - t0 < 45
+    assert not TuningLog(str(tmp_path / "log")).records()
