@@ -45,7 +45,7 @@ MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--hist", metavar="FILE")

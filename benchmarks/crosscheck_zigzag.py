@@ -423,7 +423,7 @@ def kernels(quick: bool) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--quick", action="store_true",
                     help="two GEMVs and a small GEMM, a shorter search")
     ap.add_argument("--json", metavar="PATH", help="write the rows here")

@@ -403,7 +403,7 @@ def measure(spec, name, built, repeats):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--quick", action="store_true", help="smaller GEMV/GEMM, fewer repeats")
     ap.add_argument("--json", help="write the rows as JSON to this path")
     ap.add_argument("--spec", default="edge-npu-16mb", help="NPU preset or spec file")

@@ -74,7 +74,7 @@ def measure(path: str, tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--quick", action="store_true", help="4 generated tokens instead of 16")
     ap.add_argument("--json", metavar="PATH", help="write the rows here")
     ap.add_argument("--model", action="append", default=[],

@@ -234,7 +234,7 @@ def run_bench(b: Bench, spec, trials: int, seed: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--quick", action="store_true", help="SmolLM2 shapes only")
     ap.add_argument("--json", metavar="PATH", help="write the rows here")
     ap.add_argument("--spec", default="edge-npu-16mb")

@@ -93,7 +93,7 @@ def measure(length: int, spec) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--quick", action="store_true", help="lengths up to 1024")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--latency-json", metavar="PATH", help="(length, cycles) points for "

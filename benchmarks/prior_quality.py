@@ -89,7 +89,7 @@ def measure_task(mc, task, n: int, seed: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--quick", action="store_true", help="24 points per task")
     ap.add_argument("--json", help="write the rows as JSON to this path")
     ap.add_argument("--model", help="a text-generation-with-past ONNX export")

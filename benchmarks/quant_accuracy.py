@@ -344,7 +344,7 @@ def format_table(rows: list) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--quick", action="store_true", help="groups 32/128, fewer prompts")
     parser.add_argument("--json", help="write the rows as JSON to this path")
     parser.add_argument("--model", action="append", help="extra LLM export (with-past or fixed)")

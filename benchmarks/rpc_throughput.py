@@ -164,7 +164,7 @@ def measure_tuner(n_servers: int, trials: int, batch: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--quick", action="store_true", help="fewer, shorter jobs")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--servers", type=int, default=2, help="the N of the comparison")

@@ -380,7 +380,7 @@ def print_table(rows: list, trials: int, seeds: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--quick", action="store_true", help="24 trials per run, one seed")
     ap.add_argument("--json", help="write the rows and curves as JSON to this path")
     ap.add_argument("--model", help="a text-generation-with-past ONNX export "

@@ -49,7 +49,7 @@ CASES = (("decode @1024", "decode", 1, 1023), ("prefill 128", "prefill", 128, 0)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--time-budget", type=float, default=None, metavar="S",
                     help="seconds of tuning (default 300; --quick 60)")
     ap.add_argument("--workers", type=int, default=2)

@@ -283,7 +283,7 @@ def print_table(rows) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--quick", action="store_true",
                     help="layer scope at prefill 128 and decode, model decode, performance")
     ap.add_argument("--json", help="write the rows as JSON to this path")

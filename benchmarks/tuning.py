@@ -64,7 +64,7 @@ def replayed(bench, model, log_dir, profile, strategy, quantize=None):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--log", required=True, help="tuning log tuned under performance")
     ap.add_argument("--budget-log", default=None,
                     help="tuning log tuned under --budget-profile")
