@@ -384,10 +384,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # every measurement is in the log as it ends: nothing is lost
+        # every measurement is in the log as it ends (fsynced): nothing is lost
         print(f"\ninterrupted; every measurement made is in {args.log} (rerun the same "
               f"command to resume: nothing measured is measured again)", file=sys.stderr)
-        return 130
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # exit now: the interpreter's shutdown (multiprocessing's finalizers) could take a
+        # second KeyboardInterrupt and end the process by SIGINT instead of 130
+        os._exit(130)
     print(format_report(rep))
     if args.report_json:
         with open(args.report_json, "w") as f:
