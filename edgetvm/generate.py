@@ -21,6 +21,7 @@ class KVSpec:
     kv_heads: int
     head_dim: int
     dtype: str
+    vocab: int | None = None    # the logits' width, where the export states it
 
     @staticmethod
     def of(model_path: str) -> "KVSpec":
@@ -39,7 +40,9 @@ class KVSpec:
         t = inputs[names[0][0]].type.tensor_type
         dims = [d.dim_value for d in t.shape.dim]
         dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
-        return KVSpec(names, dims[1], dims[3], dtype)
+        logits = next(o for o in m.graph.output if o.name == "logits").type.tensor_type
+        vocab = logits.shape.dim[-1].dim_value if logits.shape.dim else 0
+        return KVSpec(names, dims[1], dims[3], dtype, vocab or None)
 
 
 @dataclass

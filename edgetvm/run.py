@@ -265,8 +265,10 @@ def main(argv=None) -> int:
         if not is_artifact:
             check_input_file(args.model)
         reference = _reference_runner(args) if args.check_onnx else None
+        theirs = reference[1].vocab if reference else None
         if not is_artifact:
-            _check_vocab(lambda: _vocab_of(args.model), args)
+            from edgetvm.generate import KVSpec
+            _check_vocab(lambda: KVSpec.of(args.model).vocab, theirs, args)
         if args.reference:
             recs = run_reference(args)
         else:
@@ -274,7 +276,7 @@ def main(argv=None) -> int:
                 from edgetvm.runtime.artifact import load_artifact
                 art = load_artifact(args.model)
                 if not _same_onnx(art, args):
-                    _check_vocab(lambda: art.manifest["model"]["vocab"], args)
+                    _check_vocab(lambda: art.manifest["model"]["vocab"], theirs, args)
             else:
                 art = cached_build(args)
             recs = run_artifact(art, args)
@@ -330,31 +332,15 @@ def _reference_runner(args):
     return runner, KVSpec.of(path)
 
 
-def _vocab_of(path: str):
-    """The static width of an ONNX file's ``logits`` output (None if not static)."""
-    import onnx
-    try:
-        g = onnx.load(path, load_external_data=False).graph
-    except Exception:                  # onnxruntime loaded it; the check is a courtesy
-        return None
-    out = next((o for o in g.output if o.name == "logits"), None)
-    dims = out.type.tensor_type.shape.dim if out is not None else ()
-    return dims[-1].dim_value or None if dims else None
-
-
-def _check_vocab(vocab_of, args) -> None:
-    """Refuse, before the run, a --check-onnx file whose logits are of another width than
-    the model's (``vocab_of()``) when it is another file than the model."""
-    if not args.check_onnx or args.check_onnx is True:
+def _check_vocab(vocab_of, theirs, args) -> None:
+    """Refuse, before the run, a --check-onnx file (another file than the model) whose
+    logits are ``theirs`` entries wide where the model's are ``vocab_of()``."""
+    if args.check_onnx is True or theirs is None:
         return
     vocab = vocab_of()
-    if vocab is None:
-        return
-    path = _check_onnx_path(args)
-    theirs = _vocab_of(path)
-    if theirs is not None and theirs != vocab:
-        raise EdgeTVMError(f"--check-onnx {path}: its logits have {theirs} entries, the "
-                           f"model's {vocab}: not the same model")
+    if vocab is not None and vocab != theirs:
+        raise EdgeTVMError(f"--check-onnx {_check_onnx_path(args)}: its logits have {theirs} "
+                           f"entries, the model's {vocab}: not the same model")
 
 
 def _same_onnx(art, args) -> bool:
@@ -372,14 +358,14 @@ def _same_onnx(art, args) -> bool:
     return False
 
 
-def _report(recs, args, reference=None) -> int:
+def _report(recs, args, reference) -> int:
     from edgetvm.generate import greedy, tokens_of
 
     ids = tokens_of(recs)
     print("generated ids:", ",".join(map(str, ids)))
     if not args.check_onnx:
         return 0
-    runner, kv = reference or _reference_runner(args)
+    runner, kv = reference
     ref = greedy(runner, kv, args.prompt_ids, args.max_new_tokens, chunk=args.chunk)
     same = ids == tokens_of(ref)
     split = None if same else divergence(recs, ref, args.atol, args.rtol)
