@@ -47,6 +47,11 @@ class KVState:
         return -(-self.max_tokens // self.page_tokens)
 
     @property
+    def page_room(self) -> int:
+        """Tokens the cache's pages hold: a step's padded rows may fill the last page."""
+        return self.num_pages * self.page_tokens
+
+    @property
     def layout(self) -> KVCacheLayout:
         return KVCacheLayout(self.kv_heads, self.head_dim, self.num_pages, self.page_tokens)
 
@@ -62,7 +67,7 @@ class KVState:
         """Make sure pages exist for tokens ``[pos, pos + tokens)`` (a step's padded rows
         too: they land in the cache's pages past the valid length, and are never read)."""
         end = pos + tokens
-        if end > self.num_pages * self.page_tokens:
+        if end > self.page_room:
             raise EdgeTVMError(f"the KV cache holds {self.max_tokens} tokens; this step "
                                f"writes {end} (raise max_tokens)")
         while len(self.page_table) * self.page_tokens < end:

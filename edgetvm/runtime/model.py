@@ -79,8 +79,7 @@ class ModelRunner:
             # from 0, so a later chunk takes a larger one (the largest has every capacity)
             cands = [k for k in self.keys if k[0] == "prefill" and k[1] >= tokens and
                      k[2] >= -(-(pos + k[1]) // self.info.page_tokens)]
-            # the pages of the cache (padded rows may fill the last page)
-            room = -(-self.info.max_tokens // self.info.page_tokens) * self.info.page_tokens
+            room = self.kv.page_room          # what KVState.reserve lets a step write
             if cands and all(pos + k[1] > room for k in cands):
                 # the chunk is padded to its bucket, and the bucket's rows are written
                 rows = min(k[1] for k in cands)

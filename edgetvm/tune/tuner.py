@@ -621,7 +621,9 @@ class Tuner:
 def _no_server(r) -> bool:
     """Did trial ``r`` fail because no emulator server answered (not because of its
     candidate)?"""
-    return r.status == FAILED and (r.error or "").startswith("RunnerConnectionError")
+    from edgetvm.runner.base import RunnerConnectionError
+    # a failed record's error is "<exception type>: <message>" (Tuner._records)
+    return r.status == FAILED and (r.error or "").startswith(RunnerConnectionError.__name__)
 
 
 def _teaches(r) -> bool:
