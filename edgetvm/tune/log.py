@@ -45,6 +45,10 @@ from edgetvm.errors import EdgeTVMError
 
 log = logging.getLogger("edgetvm")
 
+#: (log file, line number, bytes) of the unreadable lines already warned about in this process:
+#: each is said once, however often the log is read
+_WARNED: set = set()
+
 LOG_FILE = "records.jsonl"
 DEFAULT_LOG_DIR = "tuning_logs"
 #: 2: records carry ``neighbours`` (measured in context); 1 (kernels measured alone)
@@ -241,6 +245,10 @@ class TuningLog:
                 out.append(Record.from_dict(json.loads(raw)))
             except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
                 self.skipped += 1
+                key = (os.path.abspath(self.path), no, raw)
+                if key in _WARNED:            # a tune and its build read the log again
+                    continue
+                _WARNED.add(key)
                 torn = no == len(lines) and not data.endswith(b"\n")
                 log.warning("%s line %d: %s record skipped (%s)", self.path, no,
                             "torn" if torn else "unreadable", str(e)[:120])

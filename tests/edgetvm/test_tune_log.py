@@ -84,6 +84,10 @@ def test_torn_last_line_is_skipped_with_a_warning_and_the_next_writer_ends_it(tm
         got = tl.records()
     assert [r.name for r in got] == ["k0", "k1", "k2"] and tl.skipped == 1
     assert "torn" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edgetvm"):     # a tune reads it again:
+        assert len(TuningLog(d).records()) == 3                   # said once per process
+    assert "skipped" not in caplog.text
     with TuningLog(d) as tl:                      # resumes appending after the torn line
         tl.append(rec(4))
     got = TuningLog(d).records()
