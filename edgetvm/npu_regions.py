@@ -194,8 +194,8 @@ def _activation_stage(attrs, gate: str, up: str | None, out: str) -> Stage:
         raise EdgeTVMError(f"no NPU kernel for {'a gated' if up else 'an ungated'} {act!r} "
                            f"activation")
     approx = {"approximate": "tanh" if act == "gelu_tanh" else "none"}
-    if act == "relu":
-        return Stage("relu", (gate,), out)
+    if act in ("relu", "relu2"):
+        return Stage(act, (gate,), out)
     if up is None:
         return Stage("gelu", (gate,), out, approx)
     if act == "silu":
@@ -408,9 +408,9 @@ def _offloadable(region) -> bool:
 
 def _has_activation_kernel(act, gated: bool) -> bool:
     """Is there an NPU stage for activation ``act`` (:func:`_activation_stage`)? SiLU only
-    gated (SwiGLU), ReLU only ungated, GELU either way."""
+    gated (SwiGLU), ReLU and squared ReLU only ungated, GELU either way."""
     return act in ("gelu", "gelu_tanh") or (act == "silu" and gated) or \
-        (act == "relu" and not gated)
+        (act in ("relu", "relu2") and not gated)
 
 
 def _tensor_inputs(region) -> int:

@@ -1,4 +1,5 @@
-"""Patterns of the MLP activations (SiLU, GELU erf form, GELU tanh approximation, ReLU) in
+"""Patterns of the MLP activations (SiLU, GELU erf form, GELU tanh approximation, ReLU,
+squared ReLU) in
 the spellings ONNX exporters produce, shared by the MLP and activation passes.
 
 Each pattern function returns ``(pattern, annotations)``; the annotation that matched tells
@@ -25,6 +26,17 @@ def relu(u):
     """``nn.relu(u)`` (OPT's MLP)."""
     p = call("relax.nn.relu", u)
     return p, {"act_relu": p}
+
+
+def relu2(u):
+    """Squared ReLU ``relu(u) * relu(u)`` or ``relu(u) ** 2`` (Nemotron's and Arcee's
+    ``relu2``; Primer). One pattern node used for both factors matches one expression: the
+    square of one ReLU, not the product of two (a gated ReLU). The exponent is annotated
+    for :func:`activation_constants_ok`."""
+    r = call("relax.nn.relu", u)
+    two = is_const()
+    p = call("relax.multiply", r, r) | call("relax.power", r, two)
+    return p, {"act_relu2": p, "relu2_two": two}
 
 
 def gelu_tanh(u):
@@ -63,12 +75,12 @@ def gelu_erf(u):
 _CONSTANTS = {"tanh_half": 0.5, "tanh_one": 1.0, "tanh_one2": 1.0,
               "tanh_c1": math.sqrt(2 / math.pi), "tanh_c2": 0.044715, "tanh_three": 3.0,
               "erf_half": 0.5, "erf_one": 1.0, "erf_root2": math.sqrt(2),
-              "erf_inv_root2": 1 / math.sqrt(2)}
+              "erf_inv_root2": 1 / math.sqrt(2), "relu2_two": 2.0}
 
 
 def activation_constants_ok(matched: dict) -> bool:
-    """True if every constant of the matched activation has its GELU value: a pattern of
-    the right shape with other constants is another function, not GELU."""
+    """True if every constant of the matched activation has its value (GELU's, the
+    square's 2): a pattern of the right shape with other constants is another function."""
     for name, want in _CONSTANTS.items():
         if name in matched and not math.isclose(scalar_value(matched[name]), want,
                                                 rel_tol=1e-6):
@@ -76,9 +88,11 @@ def activation_constants_ok(matched: dict) -> bool:
     return True
 
 
-def activation(x, functions=("silu", "gelu", "gelu_tanh", "relu")):
-    """Any of ``functions`` applied to ``x``; returns (pattern, annotations)."""
-    makers = {"silu": silu, "gelu": gelu_erf, "gelu_tanh": gelu_tanh, "relu": relu}
+def activation(x, functions=("silu", "gelu", "gelu_tanh", "relu2", "relu")):
+    """Any of ``functions`` applied to ``x`` (tried in that order: ``relu2`` before
+    ``relu``, whose match would stop at the ReLU); returns (pattern, annotations)."""
+    makers = {"silu": silu, "gelu": gelu_erf, "gelu_tanh": gelu_tanh, "relu2": relu2,
+              "relu": relu}
     pattern, annotations = None, {}
     for name in functions:
         p, ann = makers[name](x)
@@ -88,9 +102,9 @@ def activation(x, functions=("silu", "gelu", "gelu_tanh", "relu")):
 
 
 def activation_name(matched: dict) -> str:
-    """``"silu"``, ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"relu"``: which activation pattern
-    matched."""
-    for key in ("act_gelu_tanh", "act_gelu", "act_silu", "act_relu"):
+    """``"silu"``, ``"gelu"`` (erf), ``"gelu_tanh"``, ``"relu2"`` or ``"relu"``: which
+    activation pattern matched."""
+    for key in ("act_gelu_tanh", "act_gelu", "act_silu", "act_relu2", "act_relu"):
         if key in matched:
             return key[len("act_"):]
     raise ValueError("no activation in the match")

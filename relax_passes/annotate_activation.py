@@ -10,13 +10,17 @@ from ._fusion import RegionPattern, call, fuse_regions, is_float, static_shape
 
 
 def activation_patterns() -> list[RegionPattern]:
-    """``act(a) * b`` (gated) and ``act(a)``, act SiLU, GELU (erf) or GELU (tanh)."""
+    """``act(a) * b`` (gated) and ``act(a)``, act SiLU, GELU (erf), GELU (tanh), ReLU or
+    squared ReLU."""
     a, b = wildcard(), wildcard()
     act, ann = activation(a)
     gated = call("relax.multiply", act, b)
 
     def check(m, ctx):
         shape = static_shape(ctx.matched_expr)
+        if "b" in m and any(m["b"].same_as(m[k]) for k in ("act_relu", "act_silu")
+                            if k in m):
+            return False            # relu(a) * relu(a) squares one ReLU: relu2, not gated
         return is_float(ctx.matched_expr) and activation_constants_ok(m) and ("b" not in m or static_shape(m["b"]) == shape
                                                 == static_shape(m["a"]))
 
@@ -37,7 +41,8 @@ class AnnotateActivation:
 
     Architectures whose MLP the block pattern does not see (Phi-3 computes gate and up in
     one projection and slices them apart) still get their activation on the vector unit.
-    Attributes: ``activation`` (``silu``, ``gelu``, ``gelu_tanh``, ``relu``), ``gated``
+    Attributes: ``activation`` (``silu``, ``gelu``, ``gelu_tanh``, ``relu``, ``relu2``),
+    ``gated``
     (``act(a) * b``), ``width``.
     """
 

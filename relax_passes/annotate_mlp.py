@@ -55,7 +55,7 @@ class AnnotateMLP:
     The whole block is one region so the NPU can keep the (seq, intermediate) activation
     in TCM between the up and down projections; the projections inside are counted as
     linears too (``num_linears``). Attributes: ``activation`` (``silu``, ``gelu``: erf
-    form, ``gelu_tanh``, ``relu``), ``gated``, ``hidden_size``, ``intermediate_size``,
+    form, ``gelu_tanh``, ``relu``, ``relu2``), ``gated``, ``hidden_size``, ``intermediate_size``,
     ``num_linears`` and per projection (``gate_``/``up_``/``down_`` prefixes)
     ``in_features``, ``out_features``, ``bias``, ``weight_format``, ``group_size``
     (W4A16).

@@ -78,6 +78,7 @@ PIECES = {
     "silu_mul": W.silu_mul_te,
     "gelu": W.gelu_te,
     "relu": W.relu_te,
+    "relu2": W.relu2_te,
     "gelu_mul": W.gelu_mul_te,
     "bias_add": W.bias_add_te,
     "mul_vec": W.mul_vec_te,

@@ -193,6 +193,16 @@ def relu_te(x, name: str = "relu"):
                       name=name, attrs=_op("vector:max"))
 
 
+def relu2_te(x, name: str = "relu2"):
+    """Squared ReLU ``max(x, 0) ** 2`` (Nemotron's MLP): a vector ``max`` with the
+    immediate 0, then a ``mul`` of the result by itself; fp32 between the two ops."""
+    m, n = (int(s) for s in x.shape)
+    r = te.compute((m, n), lambda i, j: tirx.max(x[i, j].astype(F32), tirx.const(0.0, F32)),
+                   name=f"{name}_relu", attrs=_op("vector:max"))
+    return te.compute((m, n), lambda i, j: (r[i, j] * r[i, j]).astype(x.dtype), name=name,
+                      attrs=_op("vector:mul"))
+
+
 def gelu_mul_te(g, u, approximate: str = "none", name: str = "gelu_mul"):
     """``gelu(g) * u`` (GeGLU, Gemma's gated MLP); fp32 between the two ops."""
     m, n = (int(s) for s in g.shape)

@@ -9,8 +9,8 @@ files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``falcon_tiny_with_past.onnx``, ``opt_tiny_with_past.onnx``,
 ``mistral_sw24_tiny_with_past.onnx``, ``gemma2_tiny_with_past.onnx``,
 ``gptj_tiny_with_past.onnx``, ``cohere_tiny_with_past.onnx``, ``mpt_tiny_with_past.onnx``,
-``gemma3_tiny_with_past.onnx``, ``codegen_tiny_with_past.onnx`` and
-``bloom_tiny_with_past.onnx``
+``gemma3_tiny_with_past.onnx``, ``codegen_tiny_with_past.onnx``,
+``bloom_tiny_with_past.onnx`` and ``nemotron_tiny_with_past.onnx``
 (families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
@@ -206,6 +206,18 @@ def export_gemma3(work):
         eos_token_id=1))
 
 
+def export_nemotron(work):
+    """Nemotron: a squared-ReLU MLP (``relu(x) * relu(x)``, no gate), LayerNorm with
+    ``1 + weight`` (folded by the export), partial rotary (half of each 16-wide head), GQA
+    (4 query / 2 KV heads), untied lm_head."""
+    import transformers
+    _export(work, "nemotron", transformers.NemotronConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        partial_rotary_factor=0.5, max_position_embeddings=256, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False))
+
+
 def _logits_only(model):
     """``model`` as a module of (input_ids, attention_mask) -> logits, without a cache."""
     import torch
@@ -259,6 +271,7 @@ def main(zoo):
     export_gemma3(os.path.join(zoo, ".work"))
     export_codegen(os.path.join(zoo, ".work"))
     export_bloom(os.path.join(zoo, ".work"))
+    export_nemotron(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

@@ -257,3 +257,53 @@ def test_cli_bad_dim_exits_2(tmp_path, capsys):
     _elementwise_model(path)
     assert edge_inspect.main([str(path), "--dim", "seq"]) == 2
     assert "--dim expects NAME=N" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ squared ReLU
+
+
+def _activation_model(path: Path, square: str) -> None:
+    """``MatMul -> Relu -> <square> -> MatMul`` with 2-D (rows, features) activations:
+    ``mul`` the ReLU by itself (Nemotron's export), ``pow2`` / ``pow3`` a ``Pow`` by 2 / 3,
+    ``two`` the product of the ReLUs of two different projections (a gated ReLU)."""
+    rng = np.random.default_rng(3)
+    w = {n: numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype("float32"), n)
+         for n, s in (("wu", (64, 96)), ("wg", (64, 96)), ("wd", (96, 64)))}
+    inits = [w["wu"], w["wd"]]
+    nodes = [helper.make_node("MatMul", ["x", "wu"], ["u"]),
+             helper.make_node("Relu", ["u"], ["r"])]
+    if square == "mul":
+        nodes.append(helper.make_node("Mul", ["r", "r"], ["h"]))
+    elif square in ("pow2", "pow3"):
+        inits.append(numpy_helper.from_array(np.array(float(square[-1]), np.float32), "e"))
+        nodes.append(helper.make_node("Pow", ["r", "e"], ["h"]))
+    else:
+        inits.append(w["wg"])
+        nodes += [helper.make_node("MatMul", ["x", "wg"], ["g"]),
+                  helper.make_node("Relu", ["g"], ["rg"]),
+                  helper.make_node("Mul", ["r", "rg"], ["h"])]
+    nodes.append(helper.make_node("MatMul", ["h", "wd"], ["y"]))
+    graph = helper.make_graph(
+        nodes, "act", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize("square, want", [
+    ("mul", "relu2"), ("pow2", "relu2"),
+    ("pow3", None),            # relu(u) ** 3 is not squared ReLU
+    ("two", None),             # relu(u) * relu(g): a gated ReLU, not the square of one
+])
+def test_squared_relu_is_told_from_its_look_alikes(tmp_path, square, want):
+    path = tmp_path / f"{square}.onnx"
+    _activation_model(path, square)
+    mod = AnnotateLLMSemantics()(_import(path))
+    report = semantic_report(mod)
+    acts = [a.get("activation") for k, a in report.region_attrs if k in ("mlp", "activation")]
+    if want is None:
+        assert "relu2" not in acts, acts
+    else:
+        assert acts == [want], report.region_attrs
+    assert _max_abs_err(mod, path) < MAX_ABS_ERR

@@ -454,3 +454,16 @@ def test_relu_cluster():
     d = {"x": np.random.default_rng(4).standard_normal((6, 80)).astype(np.float16)}
     _, res = _run(c, d, tile_m=4, slots_in=2, slots_out=2, dma_split=1)
     np.testing.assert_array_equal(res.outputs["y"], np.where(d["x"] > 0, d["x"], 0))
+
+
+def test_relu2_cluster():
+    # Nemotron's MLP activation: max(x, 0) squared (a max with the immediate 0, then a mul),
+    # fp32 between the two; numpy from the definition, rounded to fp16 once at the end
+    c = FusionCluster("relu2", {"x": ((6, 80), "float16")}, [Stage("relu2", ("x",), "y")],
+                      ("y",), ())
+    x = (np.random.default_rng(5).standard_normal((6, 80)) * 3).astype(np.float16)
+    _, res = _run(c, {"x": x}, tile_m=4, slots_in=2, slots_out=2, dma_split=1)
+    r = np.maximum(x.astype(np.float32), 0)
+    want = (r * r).astype(np.float16)
+    assert (x < 0).any() and (want > 4).any()
+    np.testing.assert_array_equal(res.outputs["y"], want)
