@@ -40,6 +40,21 @@ class KVSpec:
         t = inputs[names[0][0]].type.tensor_type
         dims = [d.dim_value for d in t.shape.dim]
         dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
+        # one (kv_heads, head_dim) for every layer's K and V: the cache's pages, the
+        # runtime's empty past and the attention kernels assume it
+        for n in (n for quad in names for n in quad[:2]):
+            if n not in inputs:
+                raise ModelImportError(f"{model_path}: {n} is missing (a with-past export "
+                                       f"has a key and a value input per layer)")
+            d = [x.dim_value for x in inputs[n].type.tensor_type.shape.dim]
+            if len(d) != 4 or d[1] != dims[1] or d[3] != dims[3]:
+                shape = ", ".join(str(x.dim_value or x.dim_param or "?")
+                                  for x in inputs[n].type.tensor_type.shape.dim)
+                raise ModelImportError(
+                    f"{model_path}: {n} is ({shape}) where {names[0][0]} is (batch, "
+                    f"{dims[1]}, past, {dims[3]}): key and "
+                    f"value caches of other head counts or sizes (per layer, or K against "
+                    f"V as in multi-head latent attention) are not supported")
         logits = next(o for o in m.graph.output if o.name == "logits").type.tensor_type
         vocab = logits.shape.dim[-1].dim_value if logits.shape.dim else 0
         return KVSpec(names, dims[1], dims[3], dtype, vocab or None)

@@ -742,7 +742,16 @@ class _Extractor:
         handler = getattr(self, f"_region_{kind}", None)
         if handler is None:
             handler = self._region_rowlocal
-        return handler(var, region, runtime)
+        try:
+            return handler(var, region, runtime)
+        except BuildError as e:
+            if type(e) is not BuildError or "ONNX node" in str(e):
+                raise
+            where = next((_onnx_node(b.value) for blk in region.func.body.blocks
+                          for b in blk.bindings if _onnx_node(b.value)), "")
+            raise BuildError(f"{e}{where}; the phase program cannot run this {kind} region "
+                             f"(the region-by-region reference path can: python -m "
+                             f"edgetvm.run model.onnx --reference)") from None
 
     def _result_shapes(self, var) -> list:
         ty = var.ty

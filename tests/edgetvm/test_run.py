@@ -192,3 +192,24 @@ def test_run_refuses_what_check_onnx_cannot_compare_before_running(monkeypatch, 
         with pytest.raises(SystemExit):
             main([MODEL, "--prompt-ids", "5", "--check-onnx", *tol])
         assert "--atol and --rtol must be finite and >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("which, dim, size", [("1.value", 3, 24),   # V wider than K (MLA)
+                                              ("1.key", 1, 4)])      # a layer of more heads
+def test_kv_caches_of_other_shapes_are_refused_naming_the_input(tmp_path, capsys, which,
+                                                                dim, size):
+    # DeepSeek's multi-head latent attention exports K of 24 and V of 16 per head: the
+    # reference path took the first key's shape for every past and failed inside TVM's
+    # VM (a match_cast traceback); both paths now refuse the model up front
+    import onnx
+    m = onnx.load(MODEL)
+    (inp,) = [i for i in m.graph.input if i.name == f"past_key_values.{which}"]
+    inp.type.tensor_type.shape.dim[dim].dim_value = size
+    path = str(tmp_path / "kv_shapes.onnx")
+    onnx.save(m, path)
+    with pytest.raises(Exception, match=rf"past_key_values\.{re.escape(which)} is .*not "
+                                        r"supported"):
+        KVSpec.of(path)
+    assert main([path, "--prompt-ids", "5,17", "--max-new-tokens", "1", "--reference"]) == 2
+    err = capsys.readouterr().err
+    assert f"past_key_values.{which}" in err and "Traceback" not in err
