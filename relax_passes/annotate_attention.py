@@ -9,9 +9,24 @@ from ._fusion import RegionPattern, call, fuse_regions, head_split, scalar_value
 
 
 def _repeat_kv(t):
-    """Grouped-query repeat ``reshape(broadcast_to(expand_dims(t)))`` or no repeat."""
-    repeated = call("relax.reshape", call("relax.broadcast_to", call("relax.expand_dims", t)))
-    return repeated | t
+    """Grouped-query repeat ``reshape(broadcast_to(expand_dims(t)))`` or no repeat;
+    (pattern, its ``expand_dims`` and ``broadcast_to`` for :func:`_repeats_each_kv_head`)."""
+    expand = call("relax.expand_dims", t)
+    bcast = call("relax.broadcast_to", expand)
+    return call("relax.reshape", bcast) | t, expand, bcast
+
+
+def _repeats_each_kv_head(expand, bcast) -> bool:
+    """Does the repeat give query head ``h`` KV head ``h // G`` (the kernel's grouping)?
+    It does when the new axis follows the KV heads' axis, ``(b, kv, G, s, d)`` (HF's
+    ``repeat_kv``); the same ops with the new axis before it, ``(b, G, kv, s, d)``, tile
+    the KV heads (query head ``h`` -> ``h % kv``), another model."""
+    src = static_shape(expand.args[0])
+    out = static_shape(bcast)
+    axes = [int(a) for a in expand.attrs.axis]
+    if len(src) != 4 or len(out) != 5 or len(axes) != 1:
+        return False
+    return axes[0] % 5 == 2 and out[1] == src[1] and out[3:] == src[2:]
 
 
 def attention_patterns() -> list[RegionPattern]:
@@ -25,7 +40,7 @@ def attention_patterns() -> list[RegionPattern]:
     """
     q, k, v, mask = wildcard(), wildcard(), wildcard(), wildcard()
     s_mul, s_div, s_q, s_k = is_const(), is_const(), is_const(), is_const()
-    repeated = _repeat_kv(k)
+    repeated, k_expand, k_bcast = _repeat_kv(k)
     # torch's dynamo exporter transposes K as a 3-D (batch * heads, seq, d) tensor
     k_t = call("relax.permute_dims", repeated) | call("relax.reshape", call(
         "relax.permute_dims", call("relax.reshape", repeated)))
@@ -48,7 +63,7 @@ def attention_patterns() -> list[RegionPattern]:
         call("relax.divide", pre_masked, s_div)
     probs = call("relax.nn.softmax", masked | masked_scaled | scores)
     probs = call("relax.where", call("relax.isnan", probs), is_const(), probs) | probs
-    v_rep = _repeat_kv(head_split(v))
+    v_rep, v_expand, v_bcast = _repeat_kv(head_split(v))
     out = call("relax.reshape", call("relax.matmul", call("relax.reshape", probs),
                                      call("relax.reshape", v_rep))) | \
         call("relax.matmul", probs, v_rep)
@@ -57,11 +72,14 @@ def attention_patterns() -> list[RegionPattern]:
     annotations = {
         "q": q, "k": k, "v": v, "mask": mask, "out": out,
         "s_mul": s_mul, "s_div": s_div, "s_q": s_q, "s_k": s_k, "reshaped": merged,
-        "pre_masked": pre_masked,
+        "pre_masked": pre_masked, "k_expand": k_expand, "k_bcast": k_bcast,
+        "v_expand": v_expand, "v_bcast": v_bcast,
     }
 
     def check(m, _ctx):
-        return len(static_shape(m["q"])) == 4 and len(static_shape(m["k"])) == 4
+        return len(static_shape(m["q"])) == 4 and len(static_shape(m["k"])) == 4 and \
+            all(_repeats_each_kv_head(m[f"{n}_expand"], m[f"{n}_bcast"]) for n in "kv"
+                if f"{n}_bcast" in m)
 
     def attrs(m, merges_heads):
         _, heads, q_len, head_dim = static_shape(m["q"])

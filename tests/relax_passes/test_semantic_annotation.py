@@ -307,3 +307,56 @@ def test_squared_relu_is_told_from_its_look_alikes(tmp_path, square, want):
     else:
         assert acts == [want], report.region_attrs
     assert _max_abs_err(mod, path) < MAX_ABS_ERR
+
+
+# ------------------------------------------------------------------ grouped-query repeat
+
+
+def _gqa_model(path: Path, new_axis: int) -> None:
+    """Attention of 4 query heads over 2 KV heads (S = 8, d = 16), K and V repeated by
+    ``Reshape(Expand(Unsqueeze(t, new_axis)))``: axis 2 gives query head h KV head h // 2
+    (HF's repeat_kv), axis 1 tiles them (h -> h % 2)."""
+    s, d = 8, 16
+    inits = [numpy_helper.from_array(np.array([new_axis], np.int64), "ax"),    # G = kv = 2
+             numpy_helper.from_array(np.array([1, 2, 2, s, d], np.int64), "rep"),
+             numpy_helper.from_array(np.array([1, 4, s, d], np.int64), "merged"),
+             numpy_helper.from_array(np.array([1, s, 4 * d], np.int64), "out_shape"),
+             numpy_helper.from_array(np.array(0.25, np.float32), "scale")]
+    nodes = []
+    for t in ("k", "v"):
+        nodes += [helper.make_node("Unsqueeze", [t, "ax"], [f"{t}5"]),
+                  helper.make_node("Expand", [f"{t}5", "rep"], [f"{t}e"]),
+                  helper.make_node("Reshape", [f"{t}e", "merged"], [f"{t}r"])]
+    nodes += [helper.make_node("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]),
+              helper.make_node("MatMul", ["q", "kt"], ["qk"]),
+              helper.make_node("Mul", ["qk", "scale"], ["sc"]),
+              helper.make_node("Softmax", ["sc"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "vr"], ["o"]),
+              helper.make_node("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["ot", "out_shape"], ["y"])]
+    f32 = TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes, "gqa", [helper.make_tensor_value_info("q", f32, [1, 4, s, d]),
+                       helper.make_tensor_value_info("k", f32, [1, 2, s, d]),
+                       helper.make_tensor_value_info("v", f32, [1, 2, s, d])],
+        [helper.make_tensor_value_info("y", f32, [1, s, 4 * d])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize("new_axis, recognised", [(2, True), (1, False)])
+def test_a_kv_repeat_that_tiles_the_heads_is_not_grouped_query_attention(tmp_path, new_axis,
+                                                                         recognised):
+    # the NPU kernel gives query head h the KV head h // G; a repeat whose new axis comes
+    # before the KV heads (query head h -> KV head h % kv) was taken for one all the same
+    path = tmp_path / f"gqa_axis{new_axis}.onnx"
+    _gqa_model(path, new_axis)
+    mod = AnnotateLLMSemantics()(_import(path))
+    attn = [a for k, a in semantic_report(mod).region_attrs if k == "attention"]
+    if recognised:
+        assert [(a["num_heads"], a["num_kv_heads"], a["gqa_group"]) for a in attn] == \
+            [("4", "2", "2")]
+    else:
+        assert attn == []
+    assert _max_abs_err(mod, path) < MAX_ABS_ERR
