@@ -201,3 +201,19 @@ def test_a_log_path_that_is_a_file_is_refused_before_anything_is_measured(tmp_pa
 def test_canonical_knobs_is_order_independent():
     assert canonical_knobs({"b": 1, "a": {"y": 2, "x": 1}}) == \
         canonical_knobs({"a": {"x": 1, "y": 2}, "b": 1})
+
+
+def test_resume_matches_records_of_this_context_only(tmp_path):
+    # what a resume takes as measured: a record that differs in any one key (quantization,
+    # profile, spec, ...) measured another program and must not count, nor its cycles
+    import dataclasses
+    from edgetvm.tune.log import CONTEXT_KEYS
+    d = str(tmp_path / "log")
+    with TuningLog(d) as tl:
+        tl.append(rec(0, cycles=500))
+        for i, key in enumerate(CONTEXT_KEYS, 1):
+            other = {"emulator": CTX.emulator + 1}.get(key, f"other-{key}")
+            tl.append(rec(i, cycles=1, ctx=dataclasses.replace(CTX, **{key: other})))
+    got = TuningLog(d).matching(CTX)
+    assert [(r.name, r.cycles) for r in got] == [("k0", 500)]
+    assert len(TuningLog(d).records()) == 1 + len(CONTEXT_KEYS)

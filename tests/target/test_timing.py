@@ -391,3 +391,22 @@ def test_every_mma_pays_its_issue_latency(spec):
         b.emit(Mma(out=out, a=a, b=w, accumulate=k > 0))
     c = Emulator(spec).run(b.build()).counters
     assert c.busy_cycles["matrix"] == 64 * (spec.mma_issue_cycles + 32) == c.total_cycles
+
+
+@pytest.mark.parametrize("offset, rows, row_bytes, stride", [
+    (32, 1, 64, 64), (16, 3, 64, 64), (0, 1, 64, 64), (63, 1, 2, 2),   # contiguous
+    (8, 4, 40, 128), (100, 3, 20, 64),                                 # strided
+    (10, 5, 30, 70), (0, 6, 64, 96), (50, 7, 1, 33),                   # stride not a burst multiple
+])
+def test_dram_bursts_counts_every_burst_a_transfer_touches(offset, rows, row_bytes, stride):
+    # the bus moves whole bursts: a transfer that starts or ends inside a burst moves it
+    # all (a contiguous 64 B at offset 32 of 64 B bursts is 2 bursts); reference: the set
+    # of burst indices the bytes fall in, counted row by row from the definition
+    from edgetvm.target.emulator.costs import dram_bursts
+    burst = 64
+    want = sum(len({b // burst for b in range(offset + r * stride,
+                                              offset + r * stride + row_bytes)})
+               for r in range(rows))
+    if stride == row_bytes:       # one run: rows share the bursts at their seams
+        want = len({b // burst for b in range(offset, offset + rows * row_bytes)})
+    assert dram_bursts(offset, rows, row_bytes, stride, burst) == want

@@ -224,6 +224,11 @@ def _prefill_program(spec, shape, tokens, max_pages, **kw):
     (SMOLLM2, 32, 8, (96, 5), 1),
     (SMOLLM2, 32, 8, (96, 5), 0),
     (TINY_LLAMA, 32, 6, (64, 17), 1),
+    # pos + q0 at each residue next to a KV tile's end (tile_kv 32, q tiles at 0 and 16):
+    # the causal mask's predicate must run the mask on a tile whose last key is one past
+    # a q tile's first row (30, 14), and skip none it changes (an off-by-one survived
+    # positions 96, 5, 64 and 17)
+    (TINY_LLAMA, 32, 6, (0, 14, 15, 16, 30, 31, 33, 46), 1),
 ])
 def test_chunked_prefill_attention(spec, shape, chunk, max_pages, positions, rowsum_mma):
     hq, hk, d = shape
