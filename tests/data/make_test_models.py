@@ -10,7 +10,8 @@ files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``mistral_sw24_tiny_with_past.onnx``, ``gemma2_tiny_with_past.onnx``,
 ``gptj_tiny_with_past.onnx``, ``cohere_tiny_with_past.onnx``, ``mpt_tiny_with_past.onnx``,
 ``gemma3_tiny_with_past.onnx``, ``codegen_tiny_with_past.onnx``,
-``bloom_tiny_with_past.onnx`` and ``nemotron_tiny_with_past.onnx``
+``bloom_tiny_with_past.onnx``, ``nemotron_tiny_with_past.onnx`` and
+``olmo_clip_tiny_with_past.onnx``
 (families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
@@ -218,6 +219,17 @@ def export_nemotron(work):
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False))
 
 
+def export_olmo_clip(work):
+    """OLMo with ``clip_qkv=0.5``: q, k and v clamped by an ONNX ``Clip`` (a max and a min)
+    after their projections; non-parametric LayerNorm, GQA (4 query / 2 KV heads)."""
+    import transformers
+    _export(work, "olmo_clip", transformers.OlmoConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        clip_qkv=0.5))
+
+
 def _logits_only(model):
     """``model`` as a module of (input_ids, attention_mask) -> logits, without a cache."""
     import torch
@@ -272,6 +284,7 @@ def main(zoo):
     export_codegen(os.path.join(zoo, ".work"))
     export_bloom(os.path.join(zoo, ".work"))
     export_nemotron(os.path.join(zoo, ".work"))
+    export_olmo_clip(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

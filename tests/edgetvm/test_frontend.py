@@ -571,3 +571,38 @@ def test_model_failing_the_checker(tmp_path):
     onnx.save(model, path)
     with pytest.raises(ModelImportError, match=r"broken\.onnx: fails onnx\.checker: .*undefined"):
         import_onnx(path)
+
+
+@pytest.mark.parametrize("bounds", [(-0.5, 0.5), (-0.5, None), (None, 0.25),
+                                    (float("nan"), 0.5), (None, None), "runtime"])
+def test_clip_imports_as_relax_max_and_min(bounds):
+    # TVM's converter emitted Clip as call_tir of TOPI PrimFuncs, which the phase programs
+    # could not read (OLMo's clip_qkv was refused); as Relax ops it is elementwise, with
+    # ONNX's meaning of a missing or NaN bound (no clip on that side)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, "seq", 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "seq", 8])
+    inputs, inits, names = [x], [], ["x"]
+    if bounds == "runtime":                   # bounds computed in the graph: NaN-sanitised
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in ("lo", "hi")]
+        names += ["lo", "hi"]
+    else:
+        for n, b in zip(("lo", "hi"), bounds):
+            if b is None:
+                names.append("")
+            else:
+                inits.append(numpy_helper.from_array(np.array(b, np.float32), n))
+                names.append(n)
+    while names and names[-1] == "":
+        names.pop()
+    model = _symbolic_model([helper.make_node("Clip", names, ["y"])], inputs, y, inits)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((2, s, 8)).astype(np.float32)} for s in (3, 5)]
+    if bounds == "runtime":
+        for f, (lo, hi) in zip(feeds, ((-0.3, 0.4), (np.nan, 0.1))):
+            f.update(lo=np.array(lo, np.float32), hi=np.array(hi, np.float32))
+    imported = _against_onnxruntime(model, feeds)
+    text = imported.mod.script()
+    assert "call_tir" not in text and "T.prim_func" not in text
+    lo, hi = ((True, True) if bounds == "runtime" else
+              tuple(b is not None and not np.isnan(b) for b in bounds))
+    assert ("R.maximum" in text, "R.minimum" in text) == (lo, hi)

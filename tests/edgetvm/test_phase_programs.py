@@ -12,6 +12,7 @@ compared, so a wrong kernel shows even where greedy ids happen to agree.
 Tolerance as in test_families.py: ``0.01 + 0.01 * max|reference logits|`` per step.
 """
 import pathlib
+from collections import Counter
 import random
 
 import numpy as np
@@ -121,6 +122,18 @@ def test_an_op_without_an_npu_kernel_runs_on_the_host_between_kernels(strategy):
         assert all(prog.tensors[t].kind in ("scratch", "output") for t in cmds[k].inputs +
                    cmds[k].outputs)
     _check("gemma2", strategy, prompt=[5, 17, 42, 7, 9])
+
+
+def test_a_clip_runs_as_host_ops_between_kernels():
+    """OLMo's ``clip_qkv`` clamps q, k and v to [-0.5, 0.5] (ONNX ``Clip``, which TVM
+    imported as TOPI PrimFuncs the phase program refused): a max and a min host op per
+    projection. The tiny model's projections span well past 0.5, so a clip left out, or
+    one bound dropped, changes the answer."""
+    mc = _compiler("olmo_clip", "regions")
+    g = mc.graph("decode", 1, 1)
+    host = Counter(op.attrs["op"] for op in g.ops if op.kind == "host")
+    assert host == {"maximum": 6, "minimum": 6}
+    _check("olmo_clip", "regions")
 
 
 @pytest.mark.parametrize("strategy", ["regions", "mega"])
