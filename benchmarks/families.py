@@ -38,7 +38,7 @@ from report import write_json
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "falcon",
             "gemma2", "gemma3", "gptj", "cohere", "mpt", "codegen",
-            "bloom", "nemotron")
+            "bloom", "nemotron", "gpt_neo")
 PROMPT = [5, 17, 42, 7]
 
 

@@ -87,4 +87,20 @@ class AdditiveAttentionMask:
             return relax.op.add(relax.op.reshape(s3, shape),
                                 relax.op.add(b4, m[mask4]))
 
-        return rewrite_main_functions(mod, [(hoisted, hoist), (pattern, rewrite)])
+        # GPT-Neo fills the hidden scores, then adds the padding mask:
+        # softmax(where(c, scores, fill) + mask) -> softmax(scores + (where(c, 0, fill) + mask))
+        cond2, fill2, mask2 = wildcard(), is_const(), wildcard()
+        filled = is_op("relax.where")(cond2, scores, fill2)
+        then_added = is_op("relax.nn.softmax")(is_op("relax.add")(filled, mask2))
+
+        def fill_then_add(expr, m):
+            f, s, mk = m[fill2], m[scores], m[mask2]
+            if len(static_shape(f)) or scalar_value(f) > HIDDEN or \
+                    dtype_of(mk) != dtype_of(s) or dtype_of(f) != dtype_of(s):
+                return expr
+            zero = relax.const(0.0, dtype_of(s))
+            mask = relax.op.add(relax.op.where(m[cond2], zero, f), mk)
+            return relax.op.nn.softmax(relax.op.add(s, mask), axis=int(expr.attrs.axis))
+
+        return rewrite_main_functions(mod, [(hoisted, hoist), (then_added, fill_then_add),
+                                            (pattern, rewrite)])

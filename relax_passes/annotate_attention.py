@@ -61,7 +61,8 @@ def attention_patterns() -> list[RegionPattern]:
     pre_masked = call("relax.add", raw, mask)
     masked_scaled = call("relax.multiply", pre_masked, s_mul) | \
         call("relax.divide", pre_masked, s_div)
-    probs = call("relax.nn.softmax", masked | masked_scaled | scores)
+    # GPT-Neo does not scale at all: the mask added to q @ k^T itself (scale 1)
+    probs = call("relax.nn.softmax", masked | masked_scaled | scores | call("relax.add", raw, mask))
     probs = call("relax.where", call("relax.isnan", probs), is_const(), probs) | probs
     v_rep, v_expand, v_bcast = _repeat_kv(head_split(v))
     out = call("relax.reshape", call("relax.matmul", call("relax.reshape", probs),

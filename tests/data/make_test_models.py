@@ -10,8 +10,8 @@ files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``mistral_sw24_tiny_with_past.onnx``, ``gemma2_tiny_with_past.onnx``,
 ``gptj_tiny_with_past.onnx``, ``cohere_tiny_with_past.onnx``, ``mpt_tiny_with_past.onnx``,
 ``gemma3_tiny_with_past.onnx``, ``codegen_tiny_with_past.onnx``,
-``bloom_tiny_with_past.onnx``, ``nemotron_tiny_with_past.onnx`` and
-``olmo_clip_tiny_with_past.onnx``
+``bloom_tiny_with_past.onnx``, ``nemotron_tiny_with_past.onnx``,
+``olmo_clip_tiny_with_past.onnx`` and ``gpt_neo_tiny_with_past.onnx``
 (families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
@@ -230,6 +230,18 @@ def export_olmo_clip(work):
         clip_qkv=0.5))
 
 
+def export_gpt_neo(work):
+    """GPT-Neo: attention without any scaling, hidden scores filled by ``where`` from a
+    causal buffer and the padding mask added after; global and local layers (a window of
+    256, the position table's length, so it hides no key of a cache here); LayerNorm,
+    GELU (tanh) MLP with biases, learned positions."""
+    import transformers
+    _export(work, "gpt_neo", transformers.GPTNeoConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, num_layers=2,
+        attention_types=[[["global", "local"], 1]], num_heads=4, window_size=256,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2))
+
+
 def _logits_only(model):
     """``model`` as a module of (input_ids, attention_mask) -> logits, without a cache."""
     import torch
@@ -285,6 +297,7 @@ def main(zoo):
     export_bloom(os.path.join(zoo, ".work"))
     export_nemotron(os.path.join(zoo, ".work"))
     export_olmo_clip(os.path.join(zoo, ".work"))
+    export_gpt_neo(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

@@ -29,7 +29,8 @@ PROMPT = [5, 17, 42, 7]
 NEW_TOKENS = 16               # 4 + 16 tokens: the cache crosses its first 16-token page
 MAX_TOKENS = 128
 FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "gemma2",
-            "gemma3", "falcon", "gptj", "cohere", "codegen", "mpt", "bloom", "nemotron")
+            "gemma3", "falcon", "gptj", "cohere", "codegen", "mpt", "bloom", "nemotron",
+            "gpt_neo")
 
 _compilers: dict = {}
 
