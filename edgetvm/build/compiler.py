@@ -127,8 +127,9 @@ class ModelCompiler:
         except SlidingWindowError as err:
             if err.window >= self.max_tokens:
                 raise
-            log.warning("the model's attention sees the last %d tokens (a sliding window): "
-                        "KV cache capacity %d", err.window, err.window)
+            log.warning("attention sees only the last %d tokens (a sliding window, in one "
+                        "layer at least; the NPU kernel has none): KV cache capacity %d",
+                        err.window, err.window)
             self.max_tokens = err.window
             self.capacity_bound = f"the model's sliding window of {err.window} tokens"
 
