@@ -360,3 +360,20 @@ def test_a_kv_repeat_that_tiles_the_heads_is_not_grouped_query_attention(tmp_pat
     else:
         assert attn == []
     assert _max_abs_err(mod, path) < MAX_ABS_ERR
+
+
+def test_squared_relu_outside_an_mlp_is_an_ungated_activation(tmp_path):
+    # no projections around it (Phi-3-like layouts leave activations to this pass): the
+    # product of a ReLU with itself is squared ReLU, not a gated ReLU (no NPU kernel)
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Mul", ["r", "r"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "relu2", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "relu2.onnx"
+    onnx.save(model, str(path))
+    mod = AnnotateLLMSemantics()(_import(path))
+    assert semantic_report(mod).region_attrs == [
+        ("activation", {"activation": "relu2", "gated": "0", "width": "64"})]
+    assert _max_abs_err(mod, path) < MAX_ABS_ERR
