@@ -835,3 +835,39 @@ def test_a_last_chunk_padded_past_the_cache_is_refused_before_any_step():
     with pytest.raises(EdgeTVMError, match="padded to a 32-row bucket, past the KV cache "
                                            "of 40 tokens .*--max-tokens 64"):
         runner.generate(prompt, 2)
+
+
+def _onnx_norm_eps(path) -> set:
+    """The epsilons the ONNX file's norms add, read from the file itself: a
+    ``LayerNormalization``'s attribute, or the scalar added to a ``ReduceMean`` (RMSNorm
+    spelled out: ``x * rsqrt(mean(x^2) + eps)``)."""
+    import onnx
+    from onnx import numpy_helper
+    m = onnx.load(str(path))
+    producer = {o: n for n in m.graph.node for o in n.output}
+    consts = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    for n in m.graph.node:
+        if n.op_type == "Constant":
+            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    eps = set()
+    for n in m.graph.node:
+        if n.op_type == "LayerNormalization":
+            eps |= {float(np.float32(a.f)) for a in n.attribute if a.name == "epsilon"}
+        if n.op_type == "Add" and any(getattr(producer.get(i), "op_type", "") == "ReduceMean"
+                                      for i in n.input):
+            eps |= {float(np.float32(consts[i])) for i in n.input
+                    if i in consts and np.size(consts[i]) == 1}
+    return eps
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "gpt2", "gemma3"])
+def test_every_norm_kernel_carries_the_models_epsilon(family):
+    # an eps of 1e-5 where the model says 1e-6 moves the logits by less than the family
+    # tests' tolerance (a mutation-testing review: 0.013 against 0.07 allowed); the
+    # kernels' eps must be the file's, read here from the ONNX graph itself
+    want = _onnx_norm_eps(_path(family))
+    assert want
+    g = _compiler(family, "regions").graph("decode", 1, 1)
+    got = {float(np.float32(op.stage.attrs["eps"])) for op in g.ops
+           if op.kind == "stage" and op.stage.op in ("rms_norm", "layer_norm")}
+    assert got and got <= want, (got, want)
