@@ -2,12 +2,15 @@
 against formulas written here from the model's definition (``emulator/power.py``)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from edgetvm.target.builder import ProgramBuilder
 from edgetvm.target.emulator import Emulator
-from edgetvm.target.isa import DmaLoad, Mma, Vector
+from edgetvm.target.emulator.power import MIN_SCALE
+from edgetvm.target.isa import DmaLoad, HostOp, Mma, Vector
 from edgetvm.target.spec import PowerProfile
 
 
@@ -251,3 +254,32 @@ def test_power_trace_has_no_empty_interval_at_a_rounded_end():
     starts, power = log.trace(0.0, 0.35, 0.1)          # a short last interval stays
     assert np.allclose(np.diff(np.append(starts, 0.35)), [0.1, 0.1, 0.1, 0.05])
     assert np.allclose(power, 1050.0)
+
+
+def test_throttling_slows_dma_set_up_and_not_host_ops(spec):
+    # the model (device.py): compute and DMA set-up progress at the clock scale s, DRAM
+    # transfers and host ops do not. A long DMA holds the DRAM over a budget the
+    # governor cannot meet beside a stream of MMAs, so it holds the lowest clock; then a
+    # small DMA (its set-up stretched by 1 / s, its one-burst transfer not) and a host op
+    # (not stretched at all)
+    s = power_profile(spec, 151, 1.0, window=100, interval=100, tcm=False)
+    b = ProgramBuilder("setup_under_throttle", s)
+    b.tensor("w", (4096, 64), "float16", "const", np.ones((4096, 64)))
+    b.tensor("x", (1, 32), "float16", "const", np.ones((1, 32)))
+    b.tensor("y", (1, 32), "float16", "output")
+    big, small = b.tcm((4096, 64), "float16"), b.tcm((1, 32), "float16")
+    a, w, out = b.tcm((64, 64), "float16"), b.tcm((64, 64), "float16"), b.tcm((64, 64), "float32")
+    for _ in range(40):             # matrix work throughout: the governor has a unit to slow
+        b.emit(Mma(out=out, a=a, b=w))
+    e1, e2 = b.event(), b.event()
+    b.emit(DmaLoad(dst=big, src=b.dram("w"), signal=(e1,)))
+    b.emit(DmaLoad(dst=small, src=b.dram("x"), wait=(e1,), signal=(e2,)))
+    b.emit(HostOp(fn="copy", inputs=("x",), outputs=("y",), wait=(e2,), flops=1000))
+    r = Emulator(s).run(b.build(), trace=True)
+    assert r.counters.min_clock_scale == pytest.approx(MIN_SCALE)
+    first, second = [e for e in r.trace if e.unit == "dma0"]
+    burst = 64 // s.dram_bytes_per_cycle                        # 64 B: one whole burst
+    assert second.end - second.start == pytest.approx(s.dma_setup_cycles / MIN_SCALE + burst)
+    (host,) = [e for e in r.trace if e.unit == "host"]
+    assert host.end - host.start == pytest.approx(
+        s.host_switch_cycles + math.ceil(1000 / s.host_flops_per_cycle))
