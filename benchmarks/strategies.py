@@ -134,7 +134,10 @@ class Bench:
             self._inputs[name] = (ids, past)
         return self._inputs[name]
 
-    def run(self, scope, case, strategy, profile) -> dict:
+    def run(self, scope, case, strategy, profile, *, trace=False, spec=None) -> dict:
+        """One case's row; the program and the emulator's result (with its trace when
+        ``trace``) are kept as :attr:`last_run`. ``spec``: run on this spec instead of
+        the compiler's (the same programs on another device model)."""
         name, phase, rows, cached = case
         pages = capacity_bucket(-(-(cached + rows) // self.mc.page_tokens))
         program, clusters, build_s, measured = self.programs(scope, phase, rows, pages,
@@ -147,13 +150,14 @@ class Bench:
         # of our own so that the cache can hold onnxruntime's past
         model = ModelRunner({key: program}, [key, ("prefill" if phase == "decode" else
                                                    "decode", 1, 1)], self.info(g), None)
-        emu = Emulator(self.mc.spec, profile)
+        emu = Emulator(spec or self.mc.spec, profile)
         if cached:
             model.kv.reserve(0, cached)
             self.upload(emu, model.kv, past)
         params = model.params_for(program, key, ids, cached)
         t0 = time.time()
-        res = emu.run(program, {}, params)
+        res = emu.run(program, {}, params, trace=trace)
+        self.last_run = (program, res)
         c = res.counters
         row = dict(scope=scope, case=name, strategy=strategy, profile=profile,
                    clusters=clusters, build_s=round(build_s, 2), edgellm_measurements=measured,
@@ -167,7 +171,8 @@ class Bench:
         if scope == "model" and phase == "prefill":
             roof = self.compute_roofline(g, cached)
             row["compute_roofline_ratio"] = c.total_cycles / roof
-            row["energy_bound_roofline_ratio"] = energy_bound(self.mc.spec, c, profile) / roof
+            row["energy_bound_roofline_ratio"] = energy_bound(spec or self.mc.spec, c,
+                                                              profile) / roof
         row.update(dram_bytes=int(c.dram_read_bytes + c.dram_write_bytes),
                    cycles=int(c.total_cycles), latency_us=float(c.time_us),
                    energy_uj=float(c.energy_uj), peak_power_mw=float(c.peak_power_mw),

@@ -1,0 +1,30 @@
+"""benchmarks/phase_breakdown.py on the bundled example: each kernel's time and unit work
+attributed to its own kind, the step's time accounted for, numerics checked."""
+import json
+
+from bench_helpers import load_benchmark
+
+
+def test_phase_breakdown_attributes_each_kernels_work_to_it(tmp_path, monkeypatch):
+    bench = load_benchmark(monkeypatch, "phase_breakdown")
+    out = tmp_path / "pb.json"
+    assert bench.main(["--quick", "--no-budget", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    budget, free = data["rows"]
+    assert (budget["run"], free["run"]) == ("budget", "no budget")
+    assert free["throttled_cycles"] == 0 and free["numerics_ok"] and budget["numerics_ok"]
+    for row in (budget, free):
+        kinds = {k["kind"]: k for k in row["kinds"]}
+        # every cycle of the step is some kernel's (from the first command on)
+        assert abs(sum(k["wall"] for k in row["kinds"]) - row["cycles"]) <= len(kinds)
+        # the KV append only moves data; attention computes on both units; each of the
+        # two layers has one of each
+        append, attention = kinds["L#.kv_append"], kinds["L#.attention"]
+        assert append["kernels"] == attention["kernels"] == 2
+        assert set(append["busy"]) <= {"control", "dma0", "dma1"}
+        assert attention["busy"]["matrix"] > 0 and attention["busy"]["vector"] > 0
+        # a kernel's units are busy only while it runs, at most its wall per unit
+        for k in row["kinds"]:
+            for unit, cycles in k["busy"].items():
+                if unit != "control":
+                    assert cycles <= k["wall"] * 1.05 + 100, (k["kind"], unit)
