@@ -34,7 +34,7 @@ from pathlib import Path
 
 import strategies as st
 import tuning as tu
-from report import write_json
+from report import numerics_exit_code, write_json
 
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.target.isa import Launch
@@ -133,11 +133,7 @@ def main(argv=None) -> int:
         write_json(args.json, {"benchmark": "phase_breakdown", "model": str(model),
                                "strategy": args.strategy, "quantize": args.quantize,
                                "log": args.log, "case": case[0], "rows": out})
-    wrong = [r for r in out if not r["numerics_ok"]]
-    for r in wrong:
-        print(f"WRONG: {r['case']} {r['run']}: max |logit diff| {r['max_abs_diff']:.4f} > "
-              f"{r['tolerance']:.4f}", file=sys.stderr)
-    return 1 if wrong else 0
+    return numerics_exit_code(out, ("case", "run"))
 
 
 if __name__ == "__main__":

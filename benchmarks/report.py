@@ -6,6 +6,7 @@ the device (other bursts, other energies, another governor) are not comparable."
 from __future__ import annotations
 
 import json
+import sys
 
 from edgetvm import __version__
 from edgetvm.target.spec import EMULATOR_MODEL_VERSION
@@ -18,3 +19,13 @@ def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     print(f"wrote {path}")
+
+
+def numerics_exit_code(rows: list, labels: tuple) -> int:
+    """1 after naming on stderr every row whose logits were outside tolerance (by the
+    row's ``labels`` fields), else 0: a benchmark fails when what it measured is wrong."""
+    wrong = [r for r in rows if r.get("numerics_ok") is False]
+    for r in wrong:
+        print(f"WRONG: {' '.join(str(r[k]) for k in labels)}: max |logit diff| "
+              f"{r['max_abs_diff']:.4f} > {r['tolerance']:.4f}", file=sys.stderr)
+    return 1 if wrong else 0

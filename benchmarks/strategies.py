@@ -52,7 +52,7 @@ from edgetvm.relax_passes.partition import STRATEGIES
 from edgetvm.run import DEFAULT_ATOL, DEFAULT_RTOL
 from edgetvm.target.emulator import Emulator
 from edgetvm.runtime.model import ModelInfo, ModelRunner
-from report import write_json
+from report import numerics_exit_code, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 #: (name, phase, rows, tokens in the cache before the step)
@@ -348,18 +348,11 @@ def main(argv=None) -> int:
             if f"{kind}_roofline_ratio" in r:
                 print(f"{r['case']} {r['profile']} {r['strategy']}: "
                       f"{roofline_summary(r, kind)}")
-    wrong = [r for r in rows if r.get("numerics_ok") is False]
     if args.json:
         write_json(args.json, {"benchmark": "strategies", "model": str(model),
                                "target": bench.mc.spec.name, "quantize": args.quantize,
                                "rows": rows})
-    if wrong:
-        for r in wrong:
-            print(f"WRONG: {r['scope']} {r['case']} {r['profile']} {r['strategy']}: max "
-                  f"|logit diff| {r['max_abs_diff']:.4f} > {r['tolerance']:.4f}",
-                  file=sys.stderr)
-        return 1
-    return 0
+    return numerics_exit_code(rows, ("scope", "case", "profile", "strategy"))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 import strategies as st
-from report import write_json
+from report import numerics_exit_code, write_json
 
 from edgetvm.build.compiler import ModelCompiler
 from edgetvm.tune.log import Replay, TuningLogError, log_context
@@ -148,11 +148,7 @@ def main(argv=None) -> int:
                                "strategy": args.strategy, "quantize": args.quantize,
                                "log": args.log,
                                "budget_log": args.budget_log, "rows": rows})
-    wrong = [r for r in rows if not r["numerics_ok"]]
-    for r in wrong:
-        print(f"WRONG: {r['case']} {r['profile']} {r['variant']}: max |logit diff| "
-              f"{r['max_abs_diff']:.4f} > {r['tolerance']:.4f}", file=sys.stderr)
-    return 1 if wrong else 0
+    return numerics_exit_code(rows, ("case", "profile", "variant"))
 
 
 if __name__ == "__main__":
