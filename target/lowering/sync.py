@@ -51,13 +51,14 @@ def _slot_range(tb, slot) -> tuple:
 
 def earlier_sharers(tcm: dict) -> dict:
     """(buffer, slot) -> the (buffer, slot)s of buffers dead before it that share its bytes."""
+    ranges = {(b.name, s): _slot_range(b, s) for b in tcm.values() for s in range(b.slots)}
     out: dict = {}
     for b in tcm.values():
         for s in range(b.slots):
-            lo, hi = _slot_range(b, s)
+            lo, hi = ranges[(b.name, s)]
             out[(b.name, s)] = [(a.name, t) for a in tcm.values() if a.last_op < b.first_op
                                 for t in range(a.slots)
-                                if _slot_range(a, t)[0] < hi and lo < _slot_range(a, t)[1]]
+                                if ranges[(a.name, t)][0] < hi and lo < ranges[(a.name, t)][1]]
     return out
 
 

@@ -9,6 +9,7 @@ through the slots, which is what double buffering is.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +34,7 @@ class TcmBuffer:
 
     @property
     def slot_bytes(self) -> int:
-        return int(np.prod(self.footprint, dtype=np.int64)) * self.itemsize
+        return math.prod(int(e) for e in self.footprint) * self.itemsize
 
     def strides(self) -> tuple:
         return row_major_strides(self.footprint)

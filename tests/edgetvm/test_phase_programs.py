@@ -326,18 +326,36 @@ def test_ops_after_the_lm_head_run_on_the_last_prompt_row_only(strategy):
     _check("granite", strategy, prompt=[5, 17, 42, 7, 9])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_token_exact_with_mega_kernels(family):
-    _check(family, "mega")
+@pytest.fixture(scope="module")
+def randomised(tmp_path_factory):
+    """family -> its export with random biases and norm gains (``with_random_vectors``),
+    written once per test process."""
+    root, paths = tmp_path_factory.mktemp("random_vectors"), {}
+
+    def get(family):
+        if family not in paths:
+            paths[family] = root / f"{family}_random_vectors.onnx"
+            assert with_random_vectors(_path(family), paths[family]) >= 3   # Cohere: 3 gains
+        return paths[family]
+    return get
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mega_joins_every_norm_to_a_projection(family):
+def test_every_family_token_exact_with_mega_kernels(family, randomised):
+    """``mega`` on each family with its biases and norm gains made random: the exports'
+    biases are zero and their gains one, so a fused kernel that drops a bias or a gain, or
+    swaps them, is exact on them and wrong here. (The same kernels on the exports as they
+    are would catch nothing more: the values change, not the program.)"""
+    _check(family, "mega", path=randomised(family))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mega_joins_every_norm_to_a_projection(family, randomised):
     """A norm between two layers' ops shares its kernel: its input (the residual sum) and
     its output are read after the kernel too, which a cluster must lower (their reads
     inside the kernel come from TCM). Were such clusters refused, ``mega`` would quietly
     fall back to one kernel per norm and stay token-exact: this catches that."""
-    mc = _compiler(family, "mega")
+    mc = _compiler(family, "mega", randomised(family))
     for key in (("decode", 1, 1), ("prefill", 16, 1)):
         g = mc.graph(*key)
         norms = alone = 0
@@ -351,15 +369,6 @@ def test_mega_joins_every_norm_to_a_projection(family):
             if n and not any(op.startswith("linear") for op in ops):
                 alone += 1
         assert norms >= g.layers and alone == 0, (family, key, norms, alone)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_random_biases_and_norm_gains_in_fused_kernels(family, tmp_path):
-    # the exports' biases are zero and their norm gains one; made random here, so a fused
-    # kernel that drops a bias or a gain, or swaps them, changes the answer
-    path = tmp_path / f"{family}_random_vectors.onnx"
-    assert with_random_vectors(_path(family), path) >= 3     # Cohere: its 3 norm gains
-    _check(family, "mega", path=path)
 
 
 @pytest.mark.parametrize("strategy", ["regions", "mega"])
