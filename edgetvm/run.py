@@ -30,6 +30,7 @@ import sys
 
 import numpy as np
 
+from edgetvm import interrupt
 from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
 from edgetvm.build.cli import (add_build_options, check_build_options, ints_option,
@@ -259,31 +260,35 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")
     try:
-        # everything that can be refused is refused before the build and the run
-        if args.trace:
-            check_output_file(args.trace, "--trace")
-        if not is_artifact:
-            check_input_file(args.model)
-        reference = _reference_runner(args) if args.check_onnx else None
-        theirs = reference[1].vocab if reference else None
-        if not is_artifact:
-            from edgetvm.generate import KVSpec
-            _check_vocab(lambda: KVSpec.of(args.model).vocab, theirs, args)
-        if args.reference:
-            recs = run_reference(args)
-        else:
-            if is_artifact:
-                from edgetvm.runtime.artifact import load_artifact
-                art = load_artifact(args.model)
-                if not _same_onnx(art, args):
-                    _check_vocab(lambda: art.manifest["model"]["vocab"], theirs, args)
+        with interrupt.watching():
+            # everything that can be refused is refused before the build and the run
+            if args.trace:
+                check_output_file(args.trace, "--trace")
+            if not is_artifact:
+                check_input_file(args.model)
+            reference = _reference_runner(args) if args.check_onnx else None
+            theirs = reference[1].vocab if reference else None
+            if not is_artifact:
+                from edgetvm.generate import KVSpec
+                _check_vocab(lambda: KVSpec.of(args.model).vocab, theirs, args)
+            if args.reference:
+                recs = run_reference(args)
             else:
-                art = cached_build(args)
-            recs = run_artifact(art, args)
-        return _report(recs, args, reference)
+                if is_artifact:
+                    from edgetvm.runtime.artifact import load_artifact
+                    art = load_artifact(args.model)
+                    if not _same_onnx(art, args):
+                        _check_vocab(lambda: art.manifest["model"]["vocab"], theirs, args)
+                else:
+                    art = cached_build(args)
+                recs = run_artifact(art, args)
+            return _report(recs, args, reference)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 def run_reference(args) -> list:

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from edgetvm import interrupt
 from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
 
@@ -217,13 +218,18 @@ def main(argv=None) -> int:
                 os.path.samefile(args.output, args.model):
             raise EdgeTVMError(f"-o {args.output} is the model being built; name another "
                                f"file (model.npu)")
-        m = build(args.model, args.output, target=args.target, profile=args.profile,
-                  strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
-                  quantize=quantizer_of(args), max_tokens=args.max_tokens,
-                  progress=not args.quiet, log_dir=args.log, jobs=args.jobs)
+        with interrupt.watching():
+            m = build(args.model, args.output, target=args.target, profile=args.profile,
+                      strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
+                      quantize=quantizer_of(args), max_tokens=args.max_tokens,
+                      progress=not args.quiet, log_dir=args.log, jobs=args.jobs)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # the artifact is written whole and renamed into place: none, or the old one, is there
+        print(f"\ninterrupted; {args.output} was not written", file=sys.stderr)
+        return 130
     size = os.path.getsize(args.output)
     arena = max(p.get("arena_bytes", 0) for p in m["programs"])
     md = m["model"]

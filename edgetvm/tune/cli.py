@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from edgetvm import interrupt
 from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
 
@@ -289,9 +290,40 @@ def _wait_for_a_server(runner, tracker: str, key: str, grace_s: float = 10.0) ->
         time.sleep(0.5)
 
 
+def _tune_cli(args, phases) -> dict:
+    """:func:`tune` with the command line's options."""
+    from edgetvm.build.cli import quantizer_of
+    if args.report_json:
+        check_output_file(args.report_json, "--report-json")
+    return tune(args.model, target=args.target, profile=args.profile,
+                strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
+                quantize=quantizer_of(args), max_tokens=args.max_tokens, phases=phases,
+                trials=args.trials, time_budget=args.time_budget, log_dir=args.log,
+                workers=args.workers, rpc_tracker=args.rpc_tracker,
+                rpc_key=args.rpc_key, timeout=args.timeout, seed=args.seed,
+                batch=args.batch,
+                use_model=not args.no_model, cuts=not args.no_cuts,
+                cut_share=args.cut_share, rounds=args.rounds,
+                validate=not args.no_validate,
+                progress=not args.quiet,
+                kinds=[k.strip() for k in args.kinds.split(",") if k.strip()]
+                if args.kinds else None)
+
+
+def _interrupted(log_dir: str) -> None:
+    """Ctrl-C: say where the measurements are and exit 130."""
+    # every measurement is in the log as it ends (fsynced): nothing is lost
+    print(f"\ninterrupted; every measurement made is in {log_dir} (rerun the same "
+          f"command to resume: nothing measured is measured again)", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # exit now: the interpreter's shutdown (multiprocessing's finalizers) could take a
+    # second KeyboardInterrupt and end the process by SIGINT instead of 130
+    os._exit(130)
+
+
 def main(argv=None) -> int:
-    from edgetvm.build.cli import (add_build_options, add_target_options, parse_build_args,
-                                   quantizer_of)
+    from edgetvm.build.cli import add_build_options, add_target_options, parse_build_args
 
     from .tuner import format_report
 
@@ -365,33 +397,14 @@ def main(argv=None) -> int:
         ap.error(f"--rpc-tracker: expected HOST:PORT, got {args.rpc_tracker!r}")
     phases = [p.strip() for p in args.phases.split(",") if p.strip()] if args.phases else None
     try:
-        if args.report_json:
-            check_output_file(args.report_json, "--report-json")
-        rep = tune(args.model, target=args.target, profile=args.profile,
-                   strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
-                   quantize=quantizer_of(args), max_tokens=args.max_tokens, phases=phases,
-                   trials=args.trials, time_budget=args.time_budget, log_dir=args.log,
-                   workers=args.workers, rpc_tracker=args.rpc_tracker,
-                   rpc_key=args.rpc_key, timeout=args.timeout, seed=args.seed,
-                   batch=args.batch,
-                   use_model=not args.no_model, cuts=not args.no_cuts,
-                   cut_share=args.cut_share, rounds=args.rounds,
-                   validate=not args.no_validate,
-                   progress=not args.quiet,
-                   kinds=[k.strip() for k in args.kinds.split(",") if k.strip()]
-                   if args.kinds else None)
+        with interrupt.watching():
+            rep = _tune_cli(args, phases)
+            interrupt.check()            # pressed where TVM made an error of it
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # every measurement is in the log as it ends (fsynced): nothing is lost
-        print(f"\ninterrupted; every measurement made is in {args.log} (rerun the same "
-              f"command to resume: nothing measured is measured again)", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # exit now: the interpreter's shutdown (multiprocessing's finalizers) could take a
-        # second KeyboardInterrupt and end the process by SIGINT instead of 130
-        os._exit(130)
+        _interrupted(args.log)
     print(format_report(rep))
     if args.report_json:
         with open(args.report_json, "w") as f:

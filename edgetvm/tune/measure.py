@@ -32,6 +32,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from edgetvm import interrupt
 from edgetvm.build.cuts import joinable
 from edgetvm.build.graph import BuildError
 from edgetvm.build.measure import context_programs, measurement_params, run_twice
@@ -108,6 +109,7 @@ def lower_kernels(mc, task, knobs) -> list:
     except CandidateRejected:
         raise
     except Exception as e:                             # noqa: BLE001 - a failed trial
+        interrupt.check()                # unless it was Ctrl-C, which TVM can disguise
         raise RuntimeError(f"lowering: {type(e).__name__}: {e}") from None
 
 
@@ -203,6 +205,7 @@ def _lower_and_run(mc, task, knobs, emulator, slow_after=None):
     except TooSlow as e:
         res = e
     except Exception as e:                             # noqa: BLE001 - a failed trial
+        interrupt.check()
         res = RuntimeError(f"{type(e).__name__}: {e}")
     return res, time.time() - t0
 

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgetvm import interrupt
 from edgetvm.errors import CandidateRejected, EdgeTVMError
 
 from .cost_model import CostModel, features
@@ -564,6 +565,7 @@ class Tuner:
                     s.exhausted = True
                     continue
                 recs = self._measure_batch(s, batch, deadline=deadline)
+                interrupt.check()                # a Ctrl-C that TVM turned into an error
                 for r in recs:
                     s.offer(r)
                 self._train_from(recs)

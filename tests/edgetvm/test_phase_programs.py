@@ -85,6 +85,36 @@ def test_every_family_token_exact_with_region_kernels(family):
     assert all(r.npu_cycles > 0 and r.dram_read_bytes > 0 for r in recs)
 
 
+def test_a_mask_causal_only_at_the_first_step_is_refused(tmp_path):
+    """The mask's query positions counted from 0 instead of from the cache's length (a
+    classic offset bug in a hand-written export): causal at past 0, so the prompt's logits
+    are right, but later a query sees only as many keys as it has rows. The kernel's own
+    causal mask would compute the intended model, not this one: the build, which checks the
+    mask at several (past, new) lengths, refuses it rather than answer differently from
+    onnxruntime."""
+    import onnx
+    from onnx import helper
+
+    from edgetvm.build.graph import BuildError
+    model = onnx.load(str(_path("llama")))
+    cache_position = next(n for n in model.graph.node if n.name == "/model/Range")
+    out = cache_position.output[0]
+    cache_position.output[0] = out + ".from_past"
+    model.graph.node.insert(list(model.graph.node).index(cache_position) + 1, helper.make_node(
+        "Sub", [out + ".from_past", cache_position.input[0]], [out]))     # minus past
+    path = tmp_path / "llama_mask_from_zero.onnx"
+    onnx.save(model, str(path))
+    # what the edit does, by onnxruntime: the prompt's logits unchanged, the next step's not
+    calls = [greedy_loop(*onnxruntime_model(p), PROMPT, 2, None)[1] for p in (_path("llama"),
+                                                                              path)]
+    np.testing.assert_array_equal(calls[0][0]["logits"], calls[1][0]["logits"])
+    assert np.abs(calls[0][1]["logits"] - calls[1][1]["logits"]).max() > 0.1
+    mc = ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16)
+    for key in (("prefill", 4, 1), ("decode", 1, 1)):
+        with pytest.raises(BuildError, match="not the causal mask"):
+            mc.program(*key)
+
+
 def test_a_model_with_host_code_on_npu_data_is_refused_not_miscompiled(tmp_path):
     # MPT's attention fills the hidden scores with finfo.min before its softmax; filled
     # with -1 instead, hidden keys still count, that is not attention the NPU kernel

@@ -21,8 +21,8 @@ from edgetvm.tune.cli import select_keys, tune
 from edgetvm.tune.cli import main as tune_main
 from edgetvm.tune.cost_model import (PRIOR, CostModel, attention_estimate, cluster_estimate,
                                      features, prior)
-from edgetvm.tune.log import (OK, REJECTED, Replay, TuningLog, canonical_knobs, log_context,
-                              workload_hash)
+from edgetvm.tune.log import (FAILED, OK, REJECTED, Replay, TuningLog, canonical_knobs,
+                              log_context, workload_hash)
 from edgetvm.build.measure import measure_kernel
 from edgetvm.tune.measure import measure_candidate
 from edgetvm.tune.tasks import extract_tasks
@@ -1004,6 +1004,42 @@ def test_ctrl_c_stops_a_tune_with_workers_cleanly_and_loses_nothing(tmp_path):
     assert len(got) >= 6 and len(keys) == len(set(keys))
 
 
+def test_ctrl_c_that_tvm_turns_into_an_error_still_stops_the_tune(tmp_path):
+    """tvm_ffi turns a KeyboardInterrupt raised while C++ is on the stack (a Python
+    callback, the FFI's own signal check in a long C++ call) into a RuntimeError with no
+    message. The tuner took that for a failed trial, logged the candidate as failed and
+    tuned on (a Ctrl-C with no effect, and a candidate never measured again). Here
+    SIGINT arrives inside an FFI callback during the third candidate's measurement."""
+    import subprocess
+    import sys
+    import textwrap
+
+    log_dir = tmp_path / "log"
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        import tvm_ffi
+        import edgetvm.tune.measure as m
+        real, calls = m.measure_candidate, []
+
+        def measure(*a, **k):
+            calls.append(1)
+            if len(calls) == 3:
+                tvm_ffi.convert(lambda: os.kill(os.getpid(), signal.SIGINT))()
+            return real(*a, **k)
+        m.measure_candidate = measure
+        from edgetvm.tune.cli import main
+        sys.exit(main([{LLAMA!r}, "--buckets", "8", "--max-tokens", "64", "--trials", "40",
+                       "--log", {str(log_dir)!r}, "-q", "--no-validate"]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+    assert "interrupted; every measurement made is in" in proc.stderr
+    got = TuningLog(str(log_dir)).records()
+    # the interrupted candidate is not logged failed (nor anything after it)
+    assert len(got) <= 2 and all(r.status != FAILED for r in got), got
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--time-budget", "nan"], "--time-budget must be a finite number of seconds > 0"),
     (["--time-budget", "inf"], "--time-budget must be a finite number of seconds > 0"),
@@ -1023,7 +1059,7 @@ def test_a_trial_that_found_no_server_is_measured_again_on_resume(tmp_path, mc):
     """A trial logged failed because no emulator server answered (all gone, the wrong key)
     says nothing of its candidate: a resumed tune does not count it as tried. A trial
     that failed on its own (here: any other error) stays tried."""
-    from edgetvm.tune.log import FAILED, Record
+    from edgetvm.tune.log import Record
     tasks = extract_tasks(mc, mc.phase_keys((8,)))
     ctx = log_context(LLAMA, mc.spec, None, None)
     t = tasks[0]
