@@ -22,9 +22,22 @@ from .matmul_nbits import MATMUL_NBITS_DOMAIN, matmul_nbits_problem
 #: ONNX domains whose ops TVM's converter map implements (it ignores the domain).
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
-#: Ops edgetvm adds to TVM's converter map, keyed by (domain, op_type), each with a
-#: function returning why one particular node cannot be imported (or None).
-EDGETVM_OPS = {(MATMUL_NBITS_DOMAIN, "MatMulNBits"): matmul_nbits_problem}
+
+def _top_k_problem(node, initializers) -> str:
+    """TopK: in a decoder LLM, a mixture-of-experts router choosing each token's experts
+    (GPT-OSS, Qwen-MoE, Mixtral, Granite-MoE all export one per layer). Which expert weights
+    a token needs is known only at run time: no static command stream, and no kernel of
+    edgetvm's, runs it (TVM's own import of these models goes wrong further on: a VM
+    crash on an expert no token was routed to)."""
+    return ("a top-k choice, as a mixture-of-experts router makes: edgetvm compiles dense "
+            "decoders; routing tokens to experts has no NPU kernel or static program")
+
+
+#: Ops edgetvm adds to TVM's converter map or refuses although TVM has them, keyed by
+#: (domain, op_type), each with a function returning why one particular node cannot be
+#: imported (or None).
+EDGETVM_OPS = {(MATMUL_NBITS_DOMAIN, "MatMulNBits"): matmul_nbits_problem,
+               ("", "TopK"): _top_k_problem}
 
 # TVM's importer handles these itself instead of through its converter map.
 _TVM_DIRECTLY_HANDLED = ("Constant", "If")
@@ -181,7 +194,8 @@ def check_supported_ops(model: onnx.ModelProto, source: str = "<ModelProto>") ->
     unsupported: dict[str, list[str]] = collections.defaultdict(list)
     for index, node in enumerate(iter_nodes(model.graph)):
         name = node.name or f"#{index}"
-        edgetvm_op = EDGETVM_OPS.get((node.domain or "", node.op_type))
+        domain = "" if node.domain in ("", "ai.onnx") else node.domain
+        edgetvm_op = EDGETVM_OPS.get((domain, node.op_type))
         if edgetvm_op is not None:
             problem = edgetvm_op(node, initializers)
             if problem:

@@ -523,6 +523,27 @@ def test_unsupported_ops_are_all_listed_up_front():
     assert "Relu" not in message
 
 
+@pytest.mark.parametrize("domain", ["", "ai.onnx"])
+def test_a_mixture_of_experts_router_is_refused_naming_it(domain):
+    """A TopK (what MoE decoders export per layer to pick each token's experts; TVM has a
+    converter for it) is refused up front, saying why: the reference path used to crash
+    in TVM's VM on qwen3-moe, and the compiled path named an unrelated op."""
+    router = helper.make_graph(
+        [helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(
+            np.array([2], np.int64))),
+         helper.make_node("TopK", ["logits", "k"], ["w", "experts"], domain=domain,
+                          name="/model/layers.0/mlp/TopK")],
+        "router", [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [3, 8])],
+        [helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 2]),
+         helper.make_tensor_value_info("experts", TensorProto.INT64, [3, 2])])
+    model = helper.make_model(router, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with pytest.raises(UnsupportedOpsError, match=r"TopK \(a top-k choice, as a "
+                                                  r"mixture-of-experts router makes.*"
+                                                  r"/model/layers.0/mlp/TopK"):
+        import_onnx(model)
+
+
 NOT_ONNX = "not a readable ONNX model|not an ONNX model"
 
 

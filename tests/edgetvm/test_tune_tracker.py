@@ -31,8 +31,7 @@ def tracker():
         stop(procs)
 
 
-@pytest.mark.parametrize("profile,workers", [("performance", 1), ("low-battery", 1),
-                                             ("performance", 2)])
+@pytest.mark.parametrize("profile,workers", [("low-battery", 1), ("performance", 2)])
 def test_tracker_measures_what_a_local_run_measures(tracker, tmp_path, profile, workers):
     """... with candidates lowered here, or by ``workers`` forked processes."""
     d = str(tmp_path / "log")
