@@ -28,10 +28,11 @@ from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules.kv_cache import PAGE_TOKENS, KVCacheLayout
 
 from .cuts import apply_cuts
-from .graph import BuildError, SlidingWindowError, add_alibi_slopes, extract_phase_graph
+from .graph import (BuildError, PositionTableError, SlidingWindowError, add_alibi_slopes,
+                    extract_phase_graph)
 from .kernels import KernelBuilder
 from .link import Linker, plan_dram
-from .positions import evaluate_positions, position_limit
+from .positions import evaluate_positions, position_limit, position_lookups
 
 log = logging.getLogger("edgetvm")
 
@@ -74,6 +75,7 @@ class ModelCompiler:
         log.info("front end: %d regions on the NPU %s in %.1fs", len(self.regions),
                  dict(Counter(r.kind for r in self.regions)), time.time() - t0)
         self.position_limit = position_limit(self.mod, self.regions)
+        self._position_lookups = position_lookups(self.mod, self.regions)
         self.max_tokens = resolve_max_tokens(max_tokens, self.position_limit)
         #: what bounds the default KV capacity below DEFAULT_MAX_TOKENS, if anything
         self.capacity_bound = None
@@ -122,16 +124,26 @@ class ModelCompiler:
         decode graph of the largest capacity checks the masks where the cache ends; it is
         the first graph every build needs, so this costs nothing when there is no window.
         Asking for a longer cache with ``--max-tokens`` is refused, naming the window."""
-        try:
-            self.graph("decode", 1, capacity_bucket(self.num_pages))
-        except SlidingWindowError as err:
-            if err.window >= self.max_tokens:
-                raise
-            log.warning("attention sees only the last %d tokens (a sliding window, in one "
-                        "layer at least; the NPU kernel has none): KV cache capacity %d",
-                        err.window, err.window)
-            self.max_tokens = err.window
-            self.capacity_bound = f"the model's sliding window of {err.window} tokens"
+        for _ in range(3):          # a window, a table's end, then the graph at the least
+            try:
+                self.graph("decode", 1, capacity_bucket(self.num_pages))
+                return
+            except SlidingWindowError as err:
+                if err.window >= self.max_tokens:
+                    raise
+                log.warning("attention sees only the last %d tokens (a sliding window, in "
+                            "one layer at least; the NPU kernel has none): KV cache capacity "
+                            "%d", err.window, err.window)
+                self.max_tokens = err.window
+                self.capacity_bound = f"the model's sliding window of {err.window} tokens"
+            except PositionTableError as err:
+                if err.limit >= self.max_tokens or err.limit < 1:
+                    raise
+                log.warning("the model addresses %d positions (its position table, at an "
+                            "offset): KV cache capacity %d", err.limit, err.limit)
+                self.max_tokens = err.limit
+                self.capacity_bound = (f"the model's position table ({err.limit} positions "
+                                       f"at its offset)")
 
     def graph(self, phase: str, rows: int, pages: int):
         """The phase graph of one bucket, its position tables filled in."""
@@ -147,7 +159,8 @@ class ModelCompiler:
                           g.kv_heads, g.head_dim, g.layers, todo)
             found = evaluate_positions(self.mod, self.regions, [sub], new_masks,
                                        self.max_tokens + self.max_rows,
-                                       limit=self.position_limit, capacity=self.max_tokens)
+                                       limit=self.position_limit, capacity=self.max_tokens,
+                                       lookups=self._position_lookups)
             self._tables.update(found.tables)
             self._slopes.update({_mask_key(m): v for m, v in found.slopes.items()})
             self._checked_masks |= {_mask_key(m) for m, _ in new_masks}

@@ -52,6 +52,15 @@ class BuildError(EdgeTVMError):
     """The model cannot be compiled into a phase program (the message names the op)."""
 
 
+class PositionTableError(BuildError):
+    """The model looks positions up in a table whose rows end at position ``limit`` (its
+    indices offset, as OPT's and BioGPT's by 2): a longer KV cache would read past it."""
+
+    def __init__(self, message: str, limit: int):
+        super().__init__(message)
+        self.limit = limit
+
+
 class SlidingWindowError(BuildError):
     """The model's attention hides keys ``window`` or more positions behind the query,
     which a KV cache longer than the window would attend to."""

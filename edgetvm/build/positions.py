@@ -22,7 +22,7 @@ from tvm import relax
 
 from edgetvm.region_ops import mask_bias, mask_scale, mask_window
 
-from .graph import BuildError, SlidingWindowError
+from .graph import BuildError, PositionTableError, SlidingWindowError
 
 HOST = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 #: (past, new) lengths at which masks are checked and tables cross-checked
@@ -110,11 +110,11 @@ class PositionFunction:
         return None
 
 
-def _lookup_rows(value, by_symbol, constant) -> int | None:
-    """Rows of the constant table ``value`` looks positions up in, if it is such a lookup:
-    ``take`` or ``gather_elements`` from a float table of static rows computed from
-    constants alone (``constant(expr)``; GPT-J gathers its sin/cos rows from a broadcast of
-    its table), or an embedding region."""
+def _lookup_rows(value, by_symbol, constant) -> tuple | None:
+    """(rows, row index) of the constant table ``value`` looks positions up in, if it is
+    such a lookup: ``take`` or ``gather_elements`` from a float table of static rows
+    computed from constants alone (``constant(expr)``; GPT-J gathers its sin/cos rows from
+    a broadcast of its table), or an embedding region (index None: a slice of a table)."""
     if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
         return None
     if value.op.name in ("relax.take", "relax.gather_elements"):
@@ -125,7 +125,7 @@ def _lookup_rows(value, by_symbol, constant) -> int | None:
             return None
         axis = int(value.attrs.axis) if value.attrs.axis is not None else 0
         rows = ty.shape.values[axis]
-        return int(rows) if isinstance(rows, tvm.tirx.IntImm) else None
+        return (int(rows), value.args[1]) if isinstance(rows, tvm.tirx.IntImm) else None
     if value.op.name == "relax.strided_slice" and constant(value.args[0]):
         # a slice of a constant table at a bound that follows the sequence length
         # (MPT's ALiBi bias, alibi[..., 256 - kv_len:]): the table's length there
@@ -140,13 +140,15 @@ def _lookup_rows(value, by_symbol, constant) -> int | None:
                 n = shape.values[int(getattr(axis, "value", axis))]
                 if isinstance(n, tvm.tirx.IntImm):
                     rows.append(int(n))
-        return min(rows) if rows else None
+        return (min(rows), None) if rows else None
     if value.op.name == "relax.call_pure_packed":
         region = by_symbol.get(str(value.args[0].global_symbol))
         if region is not None and region.kind == "embedding":
             tables = [a for a in region.args if isinstance(a, np.ndarray) and a.ndim == 2]
             if tables:
-                return int(tables[0].shape[0])
+                index = [a for a in value.args[1:] if isinstance(a, relax.Var) and
+                         str(getattr(a.ty, "dtype", "")).startswith("int")]
+                return int(tables[0].shape[0]), index[0] if len(index) == 1 else None
     return None
 
 
@@ -161,6 +163,22 @@ def position_limit(mod, regions) -> int | None:
     it looks something other than the token ids up in (a learned position embedding, a
     precomputed sin/cos cache) or slices by a length (a precomputed ALiBi bias), or None
     when it does neither (RoPE computes its angles)."""
+    limit = None
+    for rows, _ in _position_lookups(mod, regions):
+        limit = rows if limit is None else min(limit, rows)
+    return limit
+
+
+def position_lookups(mod, regions) -> list:
+    """(index, rows) of each lookup of positions in a constant table of ``rows`` rows
+    whose row index is a value of ``main`` (:func:`evaluate_positions` evaluates it: a
+    model may look position ``p`` up at row ``p + 2``, as OPT and BioGPT do)."""
+    return [(index, rows) for rows, index in _position_lookups(mod, regions)
+            if isinstance(index, relax.Var)]
+
+
+def _position_lookups(mod, regions) -> list:
+    """(rows, index expression or None) of each lookup :func:`_lookup_rows` finds."""
     main = mod["main"]
     by_symbol = {r.symbol: r for r in regions}
     from_ids = {p for p in main.params if p.name == "input_ids"}
@@ -169,7 +187,7 @@ def position_limit(mod, regions) -> int | None:
     def constant(expr) -> bool:
         return isinstance(expr, tvm.ir.expr.Constant) or expr in from_constants
 
-    limit = None
+    found = []
     for blk in main.body.blocks:
         for b in blk.bindings:
             used = set(relax.analysis.free_vars(b.value))
@@ -181,10 +199,10 @@ def position_limit(mod, regions) -> int | None:
             if data <= from_constants and (not isinstance(b.value, relax.Call) or
                                            _pure(b.value)):
                 from_constants.add(b.var)
-            rows = _lookup_rows(b.value, by_symbol, constant)
-            if rows is not None:
-                limit = rows if limit is None else min(limit, rows)
-    return limit
+            lookup = _lookup_rows(b.value, by_symbol, constant)
+            if lookup is not None:
+                found.append(lookup)
+    return found
 
 
 def _pure(value) -> bool:
@@ -207,8 +225,8 @@ def _concrete(ty, dims: dict, what: str) -> tuple:
 
 
 def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
-                       limit: int | None = None,
-                       capacity: int | None = None) -> "PositionValues":
+                       limit: int | None = None, capacity: int | None = None,
+                       lookups: list = ()) -> "PositionValues":
     """Fill the position tables of ``graphs`` (``PhaseGraph.position_tables``) with rows for
     ``positions`` positions and check the attention ``masks`` (as returned by
     ``extract_phase_graph``): the tables and ALiBi's slopes (:class:`PositionValues`).
@@ -217,7 +235,9 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
     (the padding rows of a bucket that ends past a learned position table) are zero, never
     a lookup out of bounds. A KV capacity beyond it is refused before this
     (``compiler.resolve_max_tokens``). ``capacity``: the KV cache's tokens; the masks are
-    checked at its end too."""
+    checked at its end too. ``lookups``: (row index, rows) of the position tables
+    (:func:`position_lookups`): a capacity whose last position's index is past its table
+    is refused (:class:`PositionTableError`)."""
     tables = {}
     for g in graphs:
         tables.update(g.position_tables)
@@ -232,15 +252,29 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
     targets = table_vars + mask_vars
     if not targets:
         return PositionValues({}, {})
-    fn = PositionFunction(mod, regions, targets)
+    lookups = [(i, rows) for i, rows in lookups if i not in targets] if table_vars else []
+    fn = PositionFunction(mod, regions, targets + list(dict.fromkeys(i for i, _ in lookups)))
     valid = positions if limit is None else min(positions, limit)
-    full = dict(zip(targets, fn(0, valid)))
+    full = dict(zip(fn.targets, fn(0, valid)))
+    for index, rows in lookups:
+        at = np.asarray(full[index]).reshape(-1)
+        outside = (at >= rows) | (at < 0) if at.size == valid else np.zeros(0, bool)
+        if outside.any():
+            # a lookup at an offset (OPT's, BioGPT's: position + 2) ends before its table
+            end = int(np.argmax(outside))
+            if capacity is not None and end < capacity:
+                raise PositionTableError(
+                    f"the model looks position {end} up at row {int(at[end])} of a table of "
+                    f"{rows} rows (its positions are offset into it): a KV cache of "
+                    f"{capacity} tokens would read past it (--max-tokens {end} or less)", end)
+            valid = min(valid, end)      # rows past it: padding of a bucket, never read
     data = {}
     for var in table_vars:
         axis = fn.position_axis(var)
         if axis is None:
             raise BuildError(f"position value {var.name} has no position axis")
-        rows = np.moveaxis(full[var], axis, 0).reshape(valid, -1).astype(np.float32)
+        rows = np.moveaxis(full[var], axis, 0)
+        rows = rows.reshape(rows.shape[0], -1)[:valid].astype(np.float32)
         data[var] = np.concatenate([rows, np.zeros((positions - valid, rows.shape[1]),
                                                    np.float32)])
     index_of = {m: i for m, i in masks if isinstance(m, relax.Var)}

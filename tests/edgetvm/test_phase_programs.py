@@ -85,6 +85,46 @@ def test_every_family_token_exact_with_region_kernels(family):
     assert all(r.npu_cycles > 0 and r.dram_read_bytes > 0 for r in recs)
 
 
+def test_a_position_table_read_at_an_offset_bounds_the_kv_cache():
+    """OPT (and BioGPT) look position ``p`` up at row ``p + 2`` of their table: the tiny
+    OPT's 258 rows address 256 positions. The capacity was the table's rows, so the build
+    read two rows past the table (garbage, different from one process to the next: a
+    parallel build failed on 'different weights named table.lv1') and refused the default
+    build. onnxruntime says which positions the model addresses: the default capacity is
+    that, and asking for more is refused."""
+    import onnxruntime as ort
+
+    from edgetvm.build.graph import BuildError
+    sess = ort.InferenceSession(str(_path("opt")), providers=["CPUExecutionProvider"])
+
+    def runs_at(past):
+        feeds = {}
+        for i in sess.get_inputs():
+            if i.name == "input_ids":
+                feeds[i.name] = np.array([[5]], np.int64)
+            elif i.name == "attention_mask":
+                feeds[i.name] = np.ones((1, past + 1), np.int64)
+            elif i.name == "position_ids":
+                feeds[i.name] = np.array([[past]], np.int64)
+            else:
+                feeds[i.name] = np.zeros([1 if d == "batch_size" else past if isinstance(
+                    d, str) else d for d in i.shape], np.float32)
+        try:
+            sess.run(None, feeds)
+        except Exception:                                  # noqa: BLE001 - past the table
+            return False
+        return True
+    addressed = next(p for p in range(250, 300) if not runs_at(p))      # positions 0 .. p-1
+    mc = ModelCompiler(str(_path("opt")))
+    assert mc.max_tokens == addressed == 256, (mc.max_tokens, addressed)
+    a, b = (ModelCompiler(str(_path("opt")), max_tokens=addressed).graph("decode", 1, 16)
+            for _ in range(2))
+    for name in a.position_tables:      # deterministic: nothing read past the table
+        np.testing.assert_array_equal(a.tensors[name].data, b.tensors[name].data)
+    with pytest.raises(BuildError, match=f"--max-tokens {addressed} or less"):
+        ModelCompiler(str(_path("opt")), max_tokens=addressed + 2).program("decode", 1, 1)
+
+
 def test_a_mask_causal_only_at_the_first_step_is_refused(tmp_path):
     """The mask's query positions counted from 0 instead of from the cache's length (a
     classic offset bug in a hand-written export): causal at past 0, so the prompt's logits
