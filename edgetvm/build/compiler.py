@@ -91,6 +91,9 @@ class ModelCompiler:
         self.layout = None
         if max_tokens is None:
             self._fit_sliding_window()
+            if self.capacity_bound:
+                log.warning("KV cache capacity %d tokens: %s", self.max_tokens,
+                            self.capacity_bound)
 
     @property
     def knobs_for(self):
@@ -131,19 +134,14 @@ class ModelCompiler:
             except SlidingWindowError as err:
                 if err.window >= self.max_tokens:
                     raise
-                log.warning("attention sees only the last %d tokens (a sliding window, in "
-                            "one layer at least; the NPU kernel has none): KV cache capacity "
-                            "%d", err.window, err.window)
                 self.max_tokens = err.window
                 self.capacity_bound = f"the model's sliding window of {err.window} tokens"
             except PositionTableError as err:
                 if err.limit >= self.max_tokens or err.limit < 1:
                     raise
-                log.warning("the model addresses %d positions (its position table, at an "
-                            "offset): KV cache capacity %d", err.limit, err.limit)
                 self.max_tokens = err.limit
-                self.capacity_bound = (f"the model's position table ({err.limit} positions "
-                                       f"at its offset)")
+                self.capacity_bound = ("the positions the model's position table "
+                                       "addresses at its offset")
 
     def graph(self, phase: str, rows: int, pages: int):
         """The phase graph of one bucket, its position tables filled in."""
@@ -291,7 +289,6 @@ def resolve_max_tokens(asked, limit) -> int:
     address (``limit``, its learned position table); asking for more is refused."""
     if asked is None:
         if limit is not None and limit < DEFAULT_MAX_TOKENS:
-            log.warning("the model addresses %d positions: KV cache capacity %d", limit, limit)
             return limit
         return DEFAULT_MAX_TOKENS
     if int(asked) < 1:
