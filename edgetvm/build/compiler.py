@@ -74,8 +74,8 @@ class ModelCompiler:
                                                  prune=unsound_offloads)
         log.info("front end: %d regions on the NPU %s in %.1fs", len(self.regions),
                  dict(Counter(r.kind for r in self.regions)), time.time() - t0)
-        self.position_limit = position_limit(self.mod, self.regions)
         self._position_lookups = position_lookups(self.mod, self.regions)
+        self.position_limit = position_limit(self._position_lookups)
         self.max_tokens = resolve_max_tokens(max_tokens, self.position_limit)
         #: what bounds the default KV capacity below DEFAULT_MAX_TOKENS, if anything
         self.capacity_bound = None
@@ -90,7 +90,7 @@ class ModelCompiler:
         self.kernels = None
         self.layout = None
         if max_tokens is None:
-            self._fit_sliding_window()
+            self._fit_default_capacity()
             if self.capacity_bound:
                 log.warning("KV cache capacity %d tokens: %s", self.max_tokens,
                             self.capacity_bound)
@@ -118,8 +118,9 @@ class ModelCompiler:
     def num_pages(self) -> int:
         return -(-self.max_tokens // PAGE_TOKENS)
 
-    def _fit_sliding_window(self) -> None:
-        """Cap the default KV capacity at the model's sliding window, if it has one.
+    def _fit_default_capacity(self) -> None:
+        """Cap the default KV capacity at the model's sliding window, if it has one, and at
+        the positions an offset position table addresses (:class:`PositionTableError`).
 
         Attention that sees only the last ``w`` tokens (Mistral; Gemma-2's and Gemma-3's
         local layers) is causal attention for a cache of at most ``w`` tokens, which is
@@ -127,7 +128,8 @@ class ModelCompiler:
         decode graph of the largest capacity checks the masks where the cache ends; it is
         the first graph every build needs, so this costs nothing when there is no window.
         Asking for a longer cache with ``--max-tokens`` is refused, naming the window."""
-        for _ in range(3):          # a window, a table's end, then the graph at the least
+        # at most a window, then a table's end, each lowering the capacity once
+        for _ in range(3):
             try:
                 self.graph("decode", 1, capacity_bucket(self.num_pages))
                 return

@@ -158,27 +158,19 @@ def _symbolic(e) -> bool:
     return not isinstance(e, (int, tvm.tirx.IntImm))
 
 
-def position_limit(mod, regions) -> int | None:
+def position_limit(lookups: list) -> int | None:
     """How many positions the model can address: the rows of the smallest constant table
     it looks something other than the token ids up in (a learned position embedding, a
     precomputed sin/cos cache) or slices by a length (a precomputed ALiBi bias), or None
-    when it does neither (RoPE computes its angles)."""
-    limit = None
-    for rows, _ in _position_lookups(mod, regions):
-        limit = rows if limit is None else min(limit, rows)
-    return limit
+    when it does neither (RoPE computes its angles). ``lookups``: :func:`position_lookups`."""
+    return min((rows for rows, _ in lookups), default=None)
 
 
 def position_lookups(mod, regions) -> list:
-    """(index, rows) of each lookup of positions in a constant table of ``rows`` rows
-    whose row index is a value of ``main`` (:func:`evaluate_positions` evaluates it: a
-    model may look position ``p`` up at row ``p + 2``, as OPT and BioGPT do)."""
-    return [(index, rows) for rows, index in _position_lookups(mod, regions)
-            if isinstance(index, relax.Var)]
-
-
-def _position_lookups(mod, regions) -> list:
-    """(rows, index expression or None) of each lookup :func:`_lookup_rows` finds."""
+    """(rows, row index) of each lookup of positions in a constant table of ``rows`` rows
+    that :func:`_lookup_rows` finds in ``main``. The index is None for a slice; where it is
+    a value of ``main``, :func:`evaluate_positions` evaluates it (a model may look position
+    ``p`` up at row ``p + 2``, as OPT and BioGPT do)."""
     main = mod["main"]
     by_symbol = {r.symbol: r for r in regions}
     from_ids = {p for p in main.params if p.name == "input_ids"}
@@ -235,7 +227,7 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
     (the padding rows of a bucket that ends past a learned position table) are zero, never
     a lookup out of bounds. A KV capacity beyond it is refused before this
     (``compiler.resolve_max_tokens``). ``capacity``: the KV cache's tokens; the masks are
-    checked at its end too. ``lookups``: (row index, rows) of the position tables
+    checked at its end too. ``lookups``: the position tables' (rows, row index)
     (:func:`position_lookups`): a capacity whose last position's index is past its table
     is refused (:class:`PositionTableError`)."""
     tables = {}
@@ -252,7 +244,8 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
     targets = table_vars + mask_vars
     if not targets:
         return PositionValues({}, {})
-    lookups = [(i, rows) for i, rows in lookups if i not in targets] if table_vars else []
+    lookups = [(i, rows) for rows, i in lookups if isinstance(i, relax.Var) and
+               i not in targets] if table_vars else []
     fn = PositionFunction(mod, regions, targets + list(dict.fromkeys(i for i, _ in lookups)))
     valid = positions if limit is None else min(positions, limit)
     full = dict(zip(fn.targets, fn(0, valid)))

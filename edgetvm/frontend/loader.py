@@ -194,7 +194,7 @@ def check_supported_ops(model: onnx.ModelProto, source: str = "<ModelProto>") ->
     unsupported: dict[str, list[str]] = collections.defaultdict(list)
     for index, node in enumerate(iter_nodes(model.graph)):
         name = node.name or f"#{index}"
-        domain = "" if node.domain in ("", "ai.onnx") else node.domain
+        domain = "" if node.domain in DEFAULT_DOMAINS else node.domain
         edgetvm_op = EDGETVM_OPS.get((domain, node.op_type))
         if edgetvm_op is not None:
             problem = edgetvm_op(node, initializers)
