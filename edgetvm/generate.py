@@ -134,10 +134,12 @@ def tokens_of(records) -> list:
     return [r.token for r in records if r.token >= 0]
 
 
-def onnxruntime_runner(model_path: str):
+def onnxruntime_runner(model):
+    """A step function over onnxruntime running ``model`` (a path, or a serialized
+    ModelProto)."""
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     out_names = [o.name for o in sess.get_outputs()]
     in_names = {i.name for i in sess.get_inputs()}
 

@@ -1,9 +1,11 @@
 """Write a W4 quantization of an ONNX model's linears as onnxruntime ``MatMulNBits`` nodes.
 
 Each ``MatMul`` whose weight is a 2-D float initializer ``W (K, N)`` (the set
-onnxruntime's own MatMulNBits quantizer takes) becomes ``MatMulNBits(A, B, scales[,
-zero_points])`` holding exactly the codes, scales and zero points of the
-:class:`~edgetvm.relax_passes.w4_pack.W4Weight` a quantizer function returns, so
+onnxruntime's own MatMulNBits quantizer takes), and each ``Gemm`` that is ``A @ W (+ C)``
+with such a weight (``transB`` allowed; GPT-2's and OPT's linears), becomes
+``MatMulNBits(A, B, scales[, zero_points])`` (then ``+ C``) holding exactly the codes,
+scales and zero points of the :class:`~edgetvm.relax_passes.w4_pack.W4Weight` a
+quantizer function returns, so
 onnxruntime runs the quantized model edgetvm would compile (scales and float zero points
 are stored in the activation dtype, as MatMulNBits requires; fp16 values are exact in
 fp32). With ``transposed=True`` a weight reached through ``Transpose(perm=[1, 0])`` of a
@@ -35,7 +37,7 @@ class ExportedLinear:
 
 
 def quantize_matmuls(model: onnx.ModelProto, quantize, transposed: bool = False,
-                     select=None) -> tuple:
+                     select=None, stays_float=None) -> tuple:
     """A copy of ``model`` with its constant-weight MatMuls as MatMulNBits.
 
     Parameters
@@ -48,6 +50,8 @@ def quantize_matmuls(model: onnx.ModelProto, quantize, transposed: bool = False,
         Also take ``MatMul(x, Transpose(W))`` with a 2-D initializer ``W`` (tied lm_head).
     select : callable, optional
         ``(K, N) -> bool``: which weights to quantize (default all).
+    stays_float : callable, optional
+        ``weight (K, N) -> bool``: weights to leave float (default none).
 
     Returns
     -------
@@ -66,10 +70,11 @@ def quantize_matmuls(model: onnx.ModelProto, quantize, transposed: bool = False,
             nodes.append(node)
             continue
         weight = numpy_helper.to_array(inits[weight_name])
-        if node.input[1] != weight_name:
-            weight = weight.T                       # through the Transpose
+        if node.input[1] != weight_name or _attr(node, "transB", 0):
+            weight = weight.T                       # through the Transpose, or Gemm's transB
         k, n = weight.shape
-        if select is not None and not select(k, n):
+        if select is not None and not select(k, n) or \
+                stays_float is not None and stays_float(weight):
             nodes.append(node)
             continue
         w4 = quantize(weight.astype(np.float32))
@@ -87,9 +92,15 @@ def quantize_matmuls(model: onnx.ModelProto, quantize, transposed: bool = False,
         for role, arr in args.items():
             names.append(f"{prefix}_{role}")
             new_inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), names[-1]))
-        nodes.append(helper.make_node("MatMulNBits", [node.input[0], *names], list(node.output),
+        outputs = list(node.output)
+        if len(node.input) > 2 and node.input[2]:   # Gemm's C (beta 1): added after
+            outputs = [f"{prefix}_product"]
+        nodes.append(helper.make_node("MatMulNBits", [node.input[0], *names], outputs,
                                       name=f"{node.name}_Q4", domain="com.microsoft", K=k, N=n,
                                       bits=4, block_size=w4.group_size))
+        if outputs != list(node.output):
+            nodes.append(helper.make_node("Add", [outputs[0], node.input[2]],
+                                          list(node.output), name=f"{node.name}_bias"))
         exported.append(ExportedLinear(node.name, k, n, w4))
     del graph.node[:]
     graph.node.extend(nodes)
@@ -100,9 +111,53 @@ def quantize_matmuls(model: onnx.ModelProto, quantize, transposed: bool = False,
     return out, exported
 
 
+def quantized_as_compiled(model: onnx.ModelProto, qpass) -> tuple:
+    """``model`` with the linears :class:`~edgetvm.relax_passes.QuantizeW4A16` ``qpass``
+    quantizes as MatMulNBits holding its codes: onnxruntime's run of the W4A16 model
+    edgetvm compiles (``run --check-onnx`` with ``--quantize``).
+
+    The pass's choice, in ONNX terms: every constant 2-D float weight of a linear (a
+    Transpose of an initializer is a constant to the importer) with ``K`` and ``N`` at
+    least ``min_features``, but where ``keep_fp16`` names ``lm_head`` the linears as wide
+    as an embedding table has rows, and where it names ``embedding`` those whose weight
+    is an embedding table transposed (a tied lm_head). Returns ``(model, exported,
+    w4_linears)``: the linears made here and how many W4A16 linears the model then holds
+    (MatMulNBits it already had included), for the caller to check against the build's
+    own count.
+    """
+    keep = set(qpass.keep_fp16)
+    inits = {i.name: i for i in model.graph.initializer}
+    tables = [numpy_helper.to_array(inits[n.input[0]]) for n in model.graph.node
+              if n.op_type == "Gather" and n.input[0] in inits and _attr(n, "axis", 0) == 0
+              and len(inits[n.input[0]].dims) == 2
+              and inits[n.input[0]].data_type in _FLOAT_TYPES]
+    vocab = {t.shape[0] for t in tables}
+
+    def stays_float(weight):
+        k, n = weight.shape
+        return min(k, n) < qpass.min_features or n in vocab and (
+            "lm_head" in keep or "embedding" in keep and
+            any(t.shape == weight.T.shape and np.array_equal(t, weight.T) for t in tables))
+
+    had = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
+    out, exported = quantize_matmuls(model, qpass.quantize, transposed=True,
+                                     stays_float=stays_float)
+    return out, exported, had + len(exported)
+
+
+def _attr(node, name: str, default):
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name),
+                default)
+
+
 def _weight_of(node, inits, producers, transposed: bool):
-    """Name of the 2-D float initializer that is ``node``'s MatMul weight, or None."""
-    if node.op_type != "MatMul" or len(node.input) != 2:
+    """Name of the 2-D float initializer that is ``node``'s weight, or None: a MatMul's, or
+    a Gemm's that is a plain ``A @ W (+ C)`` (alpha and beta 1, A not transposed)."""
+    if node.op_type == "Gemm":
+        if _attr(node, "transA", 0) or _attr(node, "alpha", 1.0) != 1.0 or \
+                _attr(node, "beta", 1.0) != 1.0 or node.input[1] not in inits:
+            return None
+    elif node.op_type != "MatMul" or len(node.input) != 2:
         return None
     name = node.input[1]
     if name not in inits and transposed and name in producers:

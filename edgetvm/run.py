@@ -272,7 +272,7 @@ def main(argv=None) -> int:
                 from edgetvm.generate import KVSpec
                 _check_vocab(lambda: KVSpec.of(args.model).vocab, theirs, args)
             if args.reference:
-                recs = run_reference(args)
+                recs, quantized = run_reference(args)
             else:
                 if is_artifact:
                     from edgetvm.runtime.artifact import load_artifact
@@ -281,8 +281,12 @@ def main(argv=None) -> int:
                         _check_vocab(lambda: art.manifest["model"]["vocab"], theirs, args)
                 else:
                     art = cached_build(args)
+                quantized = (art.manifest.get("quantize"), art.manifest.get("w4_linears"))
                 recs = run_artifact(art, args)
-            return _report(recs, args, reference)
+            against = None                  # the build is not quantized
+            if reference and quantized[0]:
+                reference, against = _quantized_reference(args, reference, *quantized)
+            return _report(recs, args, reference, against)
     except EdgeTVMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -291,7 +295,9 @@ def main(argv=None) -> int:
         return 130
 
 
-def run_reference(args) -> list:
+def run_reference(args) -> tuple:
+    """Generate region by region through the Relax VM; prints the step table. The records
+    and the quantization: ``(QuantizeW4A16 or None, its W4A16 linears)``."""
     from edgetvm.generate import KVSpec, greedy
     from edgetvm.session import NPUSession
 
@@ -299,9 +305,9 @@ def run_reference(args) -> list:
     print(f"compiling {args.model} (reference path) ...", flush=True)
     rows = (args.chunk,) if args.chunk else args.buckets
     extra = {"row_buckets": tuple(rows)} if rows else {}
+    qpass = quantizer_of(args)
     session = NPUSession(args.model, args.target or "edge-npu-16mb", args.profile,
-                         max_tokens=args.max_tokens or 1024,
-                         quantize=quantizer_of(args), **extra)
+                         max_tokens=args.max_tokens or 1024, quantize=qpass, **extra)
     if session.quant_report is not None:
         print(session.quant_report.summary(), flush=True)
     print(f"{len(session.regions)} regions on the NPU; running {args.max_new_tokens} "
@@ -313,8 +319,10 @@ def run_reference(args) -> list:
         rec.npu_us = session.spec.cycles_to_us(rec.npu_cycles)
         print(format_step(len(seen), rec), flush=True)
         seen.append(rec)
-    return greedy(session, kv, args.prompt_ids, args.max_new_tokens, on_step=show,
+    recs = greedy(session, kv, args.prompt_ids, args.max_new_tokens, on_step=show,
                   chunk=args.chunk)
+    report = session.quant_report
+    return recs, (qpass, report.w4_linears if report is not None else None)
 
 
 def _check_onnx_path(args) -> str:
@@ -335,6 +343,43 @@ def _reference_runner(args):
                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") \
             from None
     return runner, KVSpec.of(path)
+
+
+def _quantized_reference(args, reference, quantize, w4_linears):
+    """The --check-onnx reference of a W4A16 build: onnxruntime on a copy of the ONNX file
+    whose linears are ``MatMulNBits`` holding the 4-bit codes the build's quantizer
+    (``quantize``: a :class:`~edgetvm.relax_passes.QuantizeW4A16` or the manifest's
+    description of one) makes of them, so the check measures the program and not the
+    quantization. The copy is used only if it quantizes as many linears as the build did
+    (``w4_linears``); otherwise the file as it is, saying why. Returns the reference and
+    what it holds: ``"w4"`` or ``"float"``."""
+    import onnx
+
+    from edgetvm.generate import onnxruntime_runner
+    from edgetvm.matmul_nbits_export import quantized_as_compiled
+    from edgetvm.relax_passes import QuantizeW4A16
+
+    path = _check_onnx_path(args)
+    qpass = quantize if isinstance(quantize, QuantizeW4A16) else QuantizeW4A16(**quantize)
+    print(f"check-onnx: quantizing {path}'s linears as the build did (W4A16 g"
+          f"{qpass.group_size}) ...", flush=True)
+    model, _, made = quantized_as_compiled(onnx.load(path), qpass)
+    if made != w4_linears:
+        why = ("the build did not record how many it quantized" if w4_linears is None else
+               f"{made} linears where the build quantized {w4_linears}")
+        print(f"check-onnx: cannot rebuild the program's 4-bit weights in ONNX ({why}); "
+              f"comparing with {path}'s own float weights", flush=True)
+        return reference, "float"
+    try:
+        runner = onnxruntime_runner(model.SerializeToString())
+    except Exception as e:             # onnxruntime's own errors have no common base
+        print(f"check-onnx: onnxruntime cannot run the quantized copy ("
+              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); comparing with "
+              f"{path}'s own float weights", flush=True)
+        return reference, "float"
+    print(f"check-onnx: the reference is {path} with its {made} quantized linears as "
+          f"onnxruntime MatMulNBits holding the program's 4-bit codes", flush=True)
+    return (runner, reference[1]), "w4"
 
 
 def _check_vocab(vocab_of, theirs, args) -> None:
@@ -363,7 +408,10 @@ def _same_onnx(art, args) -> bool:
     return False
 
 
-def _report(recs, args, reference) -> int:
+def _report(recs, args, reference, against=None) -> int:
+    """Compare the run's records with onnxruntime's (``reference``: its runner and KV
+    inputs) and say so; ``against``: for a W4A16 build, whether the reference holds the
+    program's 4-bit codes (``"w4"``) or the file's float weights (``"float"``)."""
     from edgetvm.generate import greedy, tokens_of
 
     ids = tokens_of(recs)
@@ -393,11 +441,11 @@ def _report(recs, args, reference) -> int:
     if same and not ok:
         print("check-onnx: FAILED: the ids agree, but the logits differ from onnxruntime's "
               "beyond the tolerance")
-    if not (same and ok) and getattr(args, "quantize", None):
-        print(f"check-onnx: the linears were quantized to W4A16 (--quantize "
-              f"{args.quantize}) and onnxruntime runs the file's own weights: the "
-              f"difference measures the quantization as well as the program "
-              f"(benchmarks/quant_accuracy.py measures the quantization alone)")
+    if not (same and ok) and against == "float":
+        print("check-onnx: the linears were quantized to W4A16 and onnxruntime ran the "
+              "file's own float weights: the difference measures the quantization as well "
+              "as the program (benchmarks/quant_accuracy.py measures the quantization "
+              "alone)")
     return 0 if same and ok else 1
 
 

@@ -85,6 +85,8 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
         # ops no NPU kernel takes, run by the host between kernels (HostOp commands)
         "host_ops": sorted({n for key in keys for n in mc.graph(*key).host_notes}),
         "quantization_report": mc.quant_report.summary() if mc.quant_report else None,
+        # what run --check-onnx checks its quantized copy of the ONNX file against
+        "w4_linears": mc.quant_report.w4_linears if mc.quant_report else None,
     }
     if replay is not None:
         manifest["tuning"] = replay.summary()
@@ -155,7 +157,8 @@ def add_build_options(ap, run: bool = False) -> None:
                          "model can address or its attention's sliding window if fewer)")
     ap.add_argument("--quantize", type=int, choices=(32, 64, 128), default=None, metavar="G",
                     help="quantize fp32/fp16 linears to W4A16 with group size G" +
-                         ("; --check-onnx then compares against the unquantized model"
+                         ("; --check-onnx then runs onnxruntime on a copy of the file "
+                          "whose linears hold the same 4-bit codes (MatMulNBits)"
                           if run else ""))
     ap.add_argument("--zero-points", choices=ZERO_POINT_KINDS, default="float",
                     help="with --quantize: float (default; fitted scale and fp16 zero point "

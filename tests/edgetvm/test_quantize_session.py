@@ -115,3 +115,63 @@ def test_run_cli_refuses_bad_quantization_options(capsys, args, message):
     with pytest.raises(SystemExit) as e:
         main([str(DATA / "gpt2_tiny_with_past.onnx"), "--prompt-ids", "5", *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+W4_REFERENCE = "quantized linears as onnxruntime MatMulNBits holding the program's 4-bit codes"
+
+
+def _check_onnx(capsys, model, *extra):
+    code = main([str(DATA / model), "--prompt-ids", "5,17,42,7", "--max-new-tokens", "4",
+                 "--check-onnx", *extra])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model, extra, linears", [
+    ("llama_tiny_with_past.onnx", ["--quantize", "32"], 11),
+    ("llama_tiny_with_past.onnx", ["--quantize", "32", "--reference"], 11),
+    # GPT-2's linears are Gemm nodes, and its tied lm_head (a Transpose) is quantized too
+    ("gpt2_tiny_with_past.onnx", ["--quantize", "64", "--zero-points", "uint4",
+                                  "--keep-fp16", "none"], 9),
+    ("qwen2_tiny_with_past.onnx", ["--quantize", "64", "--keep-fp16", "lm_head"], 10)])
+def test_check_onnx_of_a_quantized_build_runs_its_codes_on_onnxruntime(capsys, model, extra,
+                                                                       linears):
+    """``--check-onnx`` of a W4A16 build compares with onnxruntime running the ONNX file's
+    linears as MatMulNBits holding the codes the build's quantizer makes (it compared with
+    the float weights, which fails the tiny Llama's ids: the check could not tell a right
+    quantized program from a wrong one). Fails if the ONNX copy quantizes other linears
+    than the build (another count: the float fallback), a Gemm or a tied lm_head is
+    exported wrong, or the program's W4A16 linears compute something else."""
+    code, out = _check_onnx(capsys, model, *extra)
+    assert f"with its {linears} {W4_REFERENCE}" in out
+    assert code == 0 and "ids identical" in out
+
+
+def test_check_onnx_of_a_quantized_build_fails_on_other_codes(monkeypatch, capsys):
+    """The reference's codes are what the check compares with: quantized in groups of 64
+    where the program's are in groups of 32, the same linears fail it."""
+    import edgetvm.matmul_nbits_export as export
+
+    real = export.quantized_as_compiled
+    monkeypatch.setattr(export, "quantized_as_compiled", lambda model, qpass: real(
+        model, QuantizeW4A16(group_size=64)))
+    code, out = _check_onnx(capsys, "llama_tiny_with_past.onnx", "--quantize", "32")
+    assert W4_REFERENCE in out and code == 1 and "ids DIFFER" in out
+    assert "own float weights" not in out
+
+
+def test_check_onnx_says_when_it_cannot_rebuild_the_codes(monkeypatch, capsys):
+    """An ONNX copy that quantizes another number of linears than the build is not used:
+    the check says so and compares with the float weights (whose ids differ here)."""
+    import edgetvm.matmul_nbits_export as export
+
+    real = export.quantized_as_compiled
+
+    def one_short(model, qpass):
+        copy, exported, made = real(model, qpass)
+        return copy, exported, made - 1
+    monkeypatch.setattr(export, "quantized_as_compiled", one_short)
+    code, out = _check_onnx(capsys, "llama_tiny_with_past.onnx", "--quantize", "32")
+    assert "cannot rebuild the program's 4-bit weights in ONNX (10 linears where the " \
+           "build quantized 11)" in out
+    assert W4_REFERENCE not in out and code == 1
+    assert "onnxruntime ran the file's own float weights" in out
