@@ -302,12 +302,12 @@ class NPUSession:
         vocab, hidden = table.shape
 
         def run(*args):
+            # token ids (batch, seq), or positions of any shape (XGLM's are flat)
             ids = next(a.numpy() for a in args if hasattr(a, "numpy") and a.dtype.startswith(
-                "int") and len(a.shape) == 2)
-            b, s = ids.shape
+                "int"))
             flat = ids.reshape(-1)
             flat = np.where(flat < 0, flat + vocab, flat)        # ONNX Gather: negative wraps
-            rows = b * s
+            rows = flat.size
             c = self.bucket(rows)
             key = ("embedding", region.index, c)
             program = self._programs.get(key)
@@ -321,7 +321,7 @@ class NPUSession:
             params = {f"ids.{i}": int(flat[i]) if i < rows else 0 for i in range(c)}
             res = self.timeline.run(program, {}, params=params)
             self.meter.add("embedding", res.counters)
-            out = res.outputs["out"][:rows].reshape(b, s, hidden).astype(np.float32)
+            out = res.outputs["out"][:rows].reshape(*ids.shape, hidden).astype(np.float32)
             return tvm.runtime.tensor(out)
         return run
 

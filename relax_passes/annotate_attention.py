@@ -6,6 +6,7 @@ import tvm
 from tvm.relax.dpl import is_const, wildcard
 
 from ._fusion import RegionPattern, call, fuse_regions, head_split, scalar_value, static_shape
+from .additive_mask import HIDDEN
 
 
 def _repeat_kv(t):
@@ -27,6 +28,14 @@ def _repeats_each_kv_head(expand, bcast) -> bool:
     if len(src) != 4 or len(out) != 5 or len(axes) != 1:
         return False
     return axes[0] % 5 == 2 and out[1] == src[1] and out[3:] == src[2:]
+
+
+def _is_fill(expr) -> bool:
+    """A scalar constant at or below :data:`~.additive_mask.HIDDEN` (a hidden score)."""
+    try:
+        return scalar_value(expr) <= HIDDEN
+    except ValueError:
+        return False
 
 
 def attention_patterns() -> list[RegionPattern]:
@@ -62,10 +71,16 @@ def attention_patterns() -> list[RegionPattern]:
     masked_scaled = call("relax.multiply", pre_masked, s_mul) | \
         call("relax.divide", pre_masked, s_div)
     # GPT-Neo does not scale at all: the mask added to q @ k^T itself (scale 1)
-    probs = call("relax.nn.softmax", masked | masked_scaled | scores | call("relax.add", raw, mask))
+    logits = masked | masked_scaled | scores | call("relax.add", raw, mask)
+    # XGLM (q scaled before its projection's head split): the (batch * heads)-row scores
+    # back to 4-D for the mask, clamped from below by maximum(x, fill) with fill <= -1e4
+    # (a no-op after the softmax: what it raises weighs 0 either way), the softmax in 3-D
+    clamp = is_const()
+    clamped = call("relax.maximum", call("relax.add", call("relax.reshape", raw3), mask), clamp)
+    probs = call("relax.nn.softmax", logits | call("relax.reshape", clamped))
     probs = call("relax.where", call("relax.isnan", probs), is_const(), probs) | probs
     v_rep, v_expand, v_bcast = _repeat_kv(head_split(v))
-    out = call("relax.reshape", call("relax.matmul", call("relax.reshape", probs),
+    out = call("relax.reshape", call("relax.matmul", call("relax.reshape", probs) | probs,
                                      call("relax.reshape", v_rep))) | \
         call("relax.matmul", probs, v_rep)
     merged_t = call("relax.reshape", call("relax.permute_dims", out))
@@ -74,13 +89,14 @@ def attention_patterns() -> list[RegionPattern]:
         "q": q, "k": k, "v": v, "mask": mask, "out": out,
         "s_mul": s_mul, "s_div": s_div, "s_q": s_q, "s_k": s_k, "reshaped": merged,
         "pre_masked": pre_masked, "k_expand": k_expand, "k_bcast": k_bcast,
-        "v_expand": v_expand, "v_bcast": v_bcast,
+        "v_expand": v_expand, "v_bcast": v_bcast, "clamp": clamp,
     }
 
     def check(m, _ctx):
         return len(static_shape(m["q"])) == 4 and len(static_shape(m["k"])) == 4 and \
             all(_repeats_each_kv_head(m[f"{n}_expand"], m[f"{n}_bcast"]) for n in "kv"
-                if f"{n}_bcast" in m)
+                if f"{n}_bcast" in m) and \
+            ("clamp" not in m or _is_fill(m["clamp"]))
 
     def attrs(m, merges_heads):
         _, heads, q_len, head_dim = static_shape(m["q"])

@@ -1,4 +1,4 @@
-"""``Clip`` as Relax's ``maximum`` / ``minimum`` ops.
+"""``Clip``, ``Max`` and ``Min`` as Relax's ``maximum`` / ``minimum`` ops.
 
 TVM 0.27's converter emits ``Clip`` as two ``call_tir`` of TOPI's ``maximum`` and
 ``minimum`` PrimFuncs: opaque to every pattern and to the phase programs' extractor, which
@@ -6,8 +6,17 @@ refused OLMo's ``clip_qkv`` (``cannot interpret GlobalVar maximum``). As Relax o
 elementwise ops like any other (on the compiled path a host op between two kernels).
 Bounds keep ONNX's meaning: a missing bound, or a NaN one (onnxruntime treats it as
 unbounded), clips nothing on that side.
+
+TVM's ``Max`` / ``Min`` converter broadcasts every input to the common shape, stacks them
+and reduces the new axis: XGLM's clamp of its scores, ``Max(scores, finfo.min)``, became a
+stacked copy of the score tensor with a broadcast constant, which no pattern spells and
+the attention could not own (its constant's broadcast is one binding for every layer).
+Folded pairwise with ``maximum`` / ``minimum`` (ONNX's multidirectional broadcasting is
+theirs) it is one elementwise op; constant inputs and shape values keep TVM's converter.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import tvm
@@ -47,3 +56,18 @@ def convert_clip(bb, inputs, attrs, _graph, fallback):
         return relax.op.minimum(x, hi)     # the last call unbound: the importer names its node
     out = relax.op.maximum(x, lo)
     return out if hi is None else relax.op.minimum(bb.emit(out), hi)
+
+
+def _min_max(binary):
+    def convert(bb, inputs, _attrs, _graph, fallback):
+        tensors = all(isinstance(getattr(i, "ty", None), relax.TensorType) for i in inputs)
+        if len(inputs) < 2 or not tensors or all(isinstance(i, Constant) for i in inputs):
+            return fallback()
+        *first, last = inputs
+        acc = functools.reduce(lambda a, b: bb.emit(binary(a, b)), first[1:], first[0])
+        return binary(acc, last)      # the last call unbound: the importer names its node
+    return convert
+
+
+convert_max = _min_max(relax.op.maximum)
+convert_min = _min_max(relax.op.minimum)

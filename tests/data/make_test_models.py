@@ -11,8 +11,8 @@ files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``gptj_tiny_with_past.onnx``, ``cohere_tiny_with_past.onnx``, ``mpt_tiny_with_past.onnx``,
 ``gemma3_tiny_with_past.onnx``, ``codegen_tiny_with_past.onnx``,
 ``bloom_tiny_with_past.onnx``, ``nemotron_tiny_with_past.onnx``,
-``olmo_clip_tiny_with_past.onnx`` and ``gpt_neo_tiny_with_past.onnx``
-(families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
+``olmo_clip_tiny_with_past.onnx``, ``gpt_neo_tiny_with_past.onnx`` and
+``xglm_tiny_with_past.onnx`` (families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
 meets:
@@ -242,6 +242,48 @@ def export_gpt_neo(work):
         max_position_embeddings=256, bos_token_id=1, eos_token_id=2))
 
 
+def export_xglm(work):
+    """XGLM: q scaled before its head split, attention on (batch * heads)-row 3-D tensors
+    with the mask added to the scores reshaped back to 4-D and clamped by ``Max(scores,
+    finfo.min)`` before a 3-D softmax; sinusoidal positions gathered at ``p + 2``;
+    embeddings scaled by sqrt(hidden); LayerNorm, GELU MLP with biases. optimum-onnx 0.1
+    has no XGLM config, so it is exported with a custom decoder config. Biases and norm
+    gains random (the init's zeros and ones hide a dropped one) and the lm_head untied
+    (tied, greedy decoding repeats one token from any seed)."""
+    import torch
+    import transformers
+    from optimum.exporters.onnx import main_export
+    from optimum.exporters.onnx.config import TextDecoderOnnxConfig
+    from optimum.utils import NormalizedTextConfig
+
+    class XGLMOnnxConfig(TextDecoderOnnxConfig):
+        DEFAULT_ONNX_OPSET = 14
+        NORMALIZED_CONFIG_CLASS = NormalizedTextConfig.with_args(
+            num_layers="num_layers", num_attention_heads="attention_heads",
+            hidden_size="d_model", allow_new=True)
+
+    torch.manual_seed(0)
+    config = transformers.XGLMConfig(
+        vocab_size=512, d_model=64, ffn_dim=160, num_layers=2, attention_heads=4,
+        max_position_embeddings=256, init_std=0.2, scale_embedding=True,
+        tie_word_embeddings=False)
+    model = transformers.XGLMForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif "layer_norm.weight" in name:
+                p.normal_(1.0, 0.2)
+    hf, out = os.path.join(work, "hf_xglm"), os.path.join(work, "onnx_xglm")
+    model.save_pretrained(hf)
+    onnx_config = XGLMOnnxConfig(config, task="text-generation", use_past=True,
+                                 use_past_in_inputs=True)
+    main_export(hf, out, task="text-generation-with-past",
+                custom_onnx_configs={"model": onnx_config}, no_post_process=True)
+    onnx.save(onnx.load(os.path.join(out, "model.onnx")),
+              os.path.join(HERE, "xglm_tiny_with_past.onnx"))
+
+
 def _logits_only(model):
     """``model`` as a module of (input_ids, attention_mask) -> logits, without a cache."""
     import torch
@@ -298,6 +340,7 @@ def main(zoo):
     export_nemotron(os.path.join(zoo, ".work"))
     export_olmo_clip(os.path.join(zoo, ".work"))
     export_gpt_neo(os.path.join(zoo, ".work"))
+    export_xglm(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

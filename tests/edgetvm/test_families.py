@@ -134,6 +134,12 @@ IMPORTED = {
     # with its ALiBi bias added before the heads split out, and its GELU factors the inner
     # polynomial; both ran on the host before
     "bloom": ({"layer_norm", "linear", "mlp", "lm_head", "attention", "kv_append"}, ""),
+    # XGLM's attention is BLOOM's (batch * heads)-row 3-D form with the scores reshaped
+    # back to 4-D for the mask and clamped by Max(scores, finfo.min) before a 3-D softmax:
+    # an import fix (ONNX Max was a stack and a reduction no pattern spells) and a
+    # pattern; its sinusoidal positions are gathered by flat position ids
+    "xglm": ({"layer_norm", "linear", "mlp", "lm_head", "attention", "kv_append"},
+             "Max as an elementwise maximum"),
 }
 
 
@@ -146,7 +152,7 @@ def test_family_that_needed_an_import_fix(family):
     assert IMPORTED[family][0] <= kinds, (family, kinds)
     if family == "codegen":
         assert Counter(r.kind for r in session.regions)["kv_append"] == 4
-    if family in ("mpt", "bloom"):
+    if family in ("mpt", "bloom", "xglm"):
         assert Counter(r.kind for r in session.regions)["attention"] == 2
     _check_against_reference(family, session)
 
@@ -221,3 +227,35 @@ def test_family_with_random_biases_and_norm_gains(family, tmp_path):
     got, got_calls = greedy_loop(lambda f: session(f)[0], names, kv, PROMPT, 6)
     assert got == want, family
     assert_outputs_close(got_calls, want_calls, family)
+
+
+def test_a_clamp_that_changes_the_scores_is_not_taken_for_attention(tmp_path, capsys):
+    """XGLM's ``Max(scores, fill)`` belongs to the attention only where the fill hides a
+    score (<= -1e4: what it raises weighs 0 after the softmax either way). Clamped at -0.5
+    it changes the answer (onnxruntime's ids differ from the unclamped model's): the
+    compiled path must refuse it, not run the attention without it, and the reference path
+    runs the clamp on the host, token-exact."""
+    import onnx
+    from onnx import numpy_helper
+
+    from edgetvm.run import main
+
+    model = onnx.load(_path("xglm"))
+    consts = {n.output[0]: n for n in model.graph.node if n.op_type == "Constant"}
+    fills = [consts[n.input[1]] for n in model.graph.node if n.op_type == "Max"]
+    assert len(fills) == 2
+    for c in fills:
+        assert numpy_helper.to_array(c.attribute[0].t) <= -1e38         # finfo.min
+        c.attribute[0].t.CopyFrom(numpy_helper.from_array(np.array(-0.5, np.float32)))
+    path = str(tmp_path / "xglm_clamped.onnx")
+    onnx.save(model, path)
+    ref_run, input_names, kv = onnxruntime_model(path)
+    clamped, _ = greedy_loop(ref_run, input_names, kv, PROMPT, 4)
+    plain, _ = greedy_loop(*onnxruntime_model(_path("xglm"))[:3], PROMPT, 4)
+    assert clamped != plain
+    assert main([path, "--prompt-ids", "5,17,42,7", "--max-new-tokens", "2"]) == 2
+    assert "with no NPU kernel; the phase program cannot run it" in capsys.readouterr().err
+    session = NPUSession(path, "edge-npu-16mb", max_tokens=MAX_TOKENS)
+    assert Counter(r.kind for r in session.regions)["attention"] == 0
+    got, _ = greedy_loop(lambda f: session(f)[0], input_names, kv, PROMPT, 4)
+    assert got == clamped
