@@ -17,6 +17,7 @@ from .annotate_mlp import AnnotateMLP
 from .annotate_residual import AnnotateResidual
 from .annotate_rms_norm import AnnotateRMSNorm
 from .annotate_rope import AnnotateRoPE
+from .per_head_norm import PerHeadLayerNorm
 from .remove_identity_casts import RemoveIdentityCasts
 from .pipeline import AnnotateLLMSemantics, semantic_passes
 from .quantize_w4a16 import QuantizeW4A16
@@ -37,6 +38,7 @@ __all__ = [
     "AnnotateRMSNorm",
     "AnnotateRoPE",
     "COVERAGE_DEFINITION",
+    "PerHeadLayerNorm",
     "QuantizeW4A16",
     "RemoveIdentityCasts",
     "LayerSummary",

@@ -18,6 +18,7 @@ from .annotate_residual import AnnotateResidual
 from .annotate_rms_norm import AnnotateRMSNorm
 from .annotate_rope import AnnotateRoPE
 from .additive_mask import AdditiveAttentionMask
+from .per_head_norm import PerHeadLayerNorm
 from .remove_identity_casts import RemoveIdentityCasts
 
 
@@ -28,6 +29,8 @@ def semantic_passes() -> list:
       attention scale ``sqrt(1 / sqrt(head_dim))``, Gemma's ``1 + weight``), and a pattern
       that expects a constant would not see one;
     - identity casts next: they sit between the ops the patterns look for;
+    - a LayerNorm per head (split, one norm per slice, concat) becomes one norm with a
+      gain per head before any norm pattern looks;
     - a masked fill before a softmax becomes an added mask (MPT's ALiBi attention), the
       form the attention pattern takes; before the mask pattern, which may then claim
       the new mask's construction;
@@ -42,6 +45,7 @@ def semantic_passes() -> list:
     return [
         relax.transform.FoldConstant(),
         RemoveIdentityCasts(),
+        PerHeadLayerNorm(),
         AdditiveAttentionMask(),
         AnnotateEmbedding(),
         AnnotateAttentionMask(),

@@ -11,8 +11,9 @@ files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``gptj_tiny_with_past.onnx``, ``cohere_tiny_with_past.onnx``, ``mpt_tiny_with_past.onnx``,
 ``gemma3_tiny_with_past.onnx``, ``codegen_tiny_with_past.onnx``,
 ``bloom_tiny_with_past.onnx``, ``nemotron_tiny_with_past.onnx``,
-``olmo_clip_tiny_with_past.onnx``, ``gpt_neo_tiny_with_past.onnx`` and
-``xglm_tiny_with_past.onnx`` (families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
+``olmo_clip_tiny_with_past.onnx``, ``gpt_neo_tiny_with_past.onnx``,
+``xglm_tiny_with_past.onnx`` and ``stablelm_qk_tiny_with_past.onnx`` (families the zoo
+tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
 meets:
@@ -242,6 +243,48 @@ def export_gpt_neo(work):
         max_position_embeddings=256, bos_token_id=1, eos_token_id=2))
 
 
+def export_stablelm_qk(work):
+    """StableLM with ``qk_layernorm``: q and k LayerNorm-ed per head by one LayerNorm per
+    head (split, norm, concat), after the heads move before the tokens; partial rotary
+    (25 %), qkv bias, GQA (4 query / 2 KV heads), LayerNorm. Norm gains and biases random
+    (the init's ones and zeros hide a dropped or swapped one; the per-head norms have no
+    bias). Seed 3: from seed 0 the 16th token is a near tie (logits 2.4e-3 apart), which
+    fp16 tips. transformers 4.57's init zeroes those norms' missing bias and fails, so the
+    per-head norms are initialised here."""
+    import torch
+    import transformers
+    from transformers.models.stablelm import modeling_stablelm
+
+    init = modeling_stablelm.StableLmPreTrainedModel._init_weights
+
+    def init_weights(self, module):
+        if isinstance(module, torch.nn.LayerNorm) and module.bias is None:
+            module.weight.data.fill_(1.0)
+        else:
+            init(self, module)
+    modeling_stablelm.StableLmPreTrainedModel._init_weights = init_weights
+    torch.manual_seed(3)
+    config = transformers.StableLmConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2, qk_layernorm=True, use_qkv_bias=True,
+        partial_rotary_factor=0.25, bos_token_id=1, eos_token_id=2)
+    model = transformers.StableLmForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    hf, out = os.path.join(work, "hf_stablelm_qk"), os.path.join(work, "onnx_stablelm_qk")
+    model.save_pretrained(hf)
+    cli = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
+    subprocess.run([cli, "export", "onnx", "-m", hf, "--task", "text-generation-with-past",
+                    out], check=True)
+    onnx.save(onnx.load(os.path.join(out, "model.onnx")),
+              os.path.join(HERE, "stablelm_qk_tiny_with_past.onnx"))
+
+
 def export_xglm(work):
     """XGLM: q scaled before its head split, attention on (batch * heads)-row 3-D tensors
     with the mask added to the scores reshaped back to 4-D and clamped by ``Max(scores,
@@ -341,6 +384,7 @@ def main(zoo):
     export_olmo_clip(os.path.join(zoo, ".work"))
     export_gpt_neo(os.path.join(zoo, ".work"))
     export_xglm(os.path.join(zoo, ".work"))
+    export_stablelm_qk(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

@@ -140,6 +140,11 @@ IMPORTED = {
     # pattern; its sinusoidal positions are gathered by flat position ids
     "xglm": ({"layer_norm", "linear", "mlp", "lm_head", "attention", "kv_append"},
              "Max as an elementwise maximum"),
+    # StableLM's qk_layernorm: one LayerNorm per head's slice, concatenated back, becomes
+    # one LayerNorm with a gain per head (PerHeadLayerNorm): the norm region and its gain
+    # on the NPU, not a split, eight norms and a concat per layer on the host
+    "stablelm_qk": ({"layer_norm", "linear", "mlp", "lm_head", "attention", "kv_append",
+                     "rope"}, ""),
 }
 
 
@@ -154,6 +159,8 @@ def test_family_that_needed_an_import_fix(family):
         assert Counter(r.kind for r in session.regions)["kv_append"] == 4
     if family in ("mpt", "bloom", "xglm"):
         assert Counter(r.kind for r in session.regions)["attention"] == 2
+    if family == "stablelm_qk":   # per layer: its two norms, then one for q and one for k
+        assert Counter(r.kind for r in session.regions)["layer_norm"] == 2 * 4 + 1
     _check_against_reference(family, session)
 
 
