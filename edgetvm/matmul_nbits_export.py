@@ -119,8 +119,9 @@ def quantized_as_compiled(model: onnx.ModelProto, qpass) -> tuple:
     The pass's choice, in ONNX terms: every constant 2-D float weight of a linear (a
     Transpose of an initializer is a constant to the importer) with ``K`` and ``N`` at
     least ``min_features``, but where ``keep_fp16`` names ``lm_head`` the linears as wide
-    as an embedding table has rows, and where it names ``embedding`` those whose weight
-    is an embedding table transposed (a tied lm_head). Returns ``(model, exported,
+    as the vocabulary (an embedding table's rows that are an output's width: the
+    logits'), and where it names ``embedding`` those of them whose weight is an embedding
+    table transposed (a tied lm_head). Returns ``(model, exported,
     w4_linears)``: the linears made here and how many W4A16 linears the model then holds
     (MatMulNBits it already had included), for the caller to check against the build's
     own count.
@@ -131,7 +132,9 @@ def quantized_as_compiled(model: onnx.ModelProto, qpass) -> tuple:
               if n.op_type == "Gather" and n.input[0] in inits and _attr(n, "axis", 0) == 0
               and len(inits[n.input[0]].dims) == 2
               and inits[n.input[0]].data_type in _FLOAT_TYPES]
-    vocab = {t.shape[0] for t in tables}
+    widths = {o.type.tensor_type.shape.dim[-1].dim_value for o in model.graph.output
+              if o.type.tensor_type.shape.dim}
+    vocab = {t.shape[0] for t in tables} & widths
 
     def stays_float(weight):
         k, n = weight.shape

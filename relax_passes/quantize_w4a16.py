@@ -41,7 +41,8 @@ class QuantizeW4A16:
     fp16), linears with fewer than
     ``min_features`` input or output features, weights of another dtype, batched (3-D+)
     constant matmuls, and the layers named in ``keep_fp16`` (the lm_head is the linear
-    whose width is the vocabulary of a ``take`` on a 2-D float table). Composite /
+    whose width is the vocabulary: the rows of a ``take`` on a 2-D float table that are
+    also the width of an output, the logits). Composite /
     primitive functions are left alone: run this before ``AnnotateLLMSemantics``.
     :func:`~edgetvm.relax_passes.quant_report.quantization_report` says what became what.
 
@@ -159,7 +160,10 @@ class _LinearRewriter(relax.PyExprMutator):
         self.rewrites: dict = {}  # binding var -> (x, weight (K, N), bias or None)
         self.dropped: set = set()  # matmul vars whose bias add takes them over
         self.tables = _embedding_tables(mod)
-        self.vocab_sizes = {int(t.ty.shape.values[0]) for t in self.tables}
+        # the vocabulary: an embedding table's rows that are also the width of an output
+        # (the logits); a position table's rows (GPT-2's) may equal an MLP's width
+        self.vocab_sizes = {int(t.ty.shape.values[0]) for t in self.tables} & \
+            _output_widths(mod)
 
     # planning: which bindings become W4A16 kernels
     def plan(self, func: relax.Function) -> None:
@@ -273,6 +277,19 @@ class _LinearRewriter(relax.PyExprMutator):
         if len(lead) == 1:
             return out
         return relax.op.reshape(self.builder_.emit(out), [*lead, n])
+
+
+def _output_widths(mod: tvm.IRModule) -> set:
+    """The static last dimensions of the tensors the entry functions return."""
+    widths = set()
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function) and not _is_region(func):
+            ty = func.body.body.ty
+            for out in (ty.fields if isinstance(ty, relax.TupleType) else [ty]):
+                dims = getattr(getattr(out, "shape", None), "values", None)
+                if dims and isinstance(dims[-1], tirx.IntImm):
+                    widths.add(int(dims[-1]))
+    return widths
 
 
 def _embedding_tables(mod: tvm.IRModule) -> list:

@@ -175,3 +175,14 @@ def test_check_onnx_says_when_it_cannot_rebuild_the_codes(monkeypatch, capsys):
            "build quantized 11)" in out
     assert W4_REFERENCE not in out and code == 1
     assert "onnxruntime ran the file's own float weights" in out
+
+
+def test_keep_fp16_lm_head_keeps_the_lm_head_alone():
+    """The lm_head is the linear as wide as the vocabulary: an embedding table's rows that
+    are also the logits' width. GPT-2's MLP is 256 wide, as many as its position table has
+    rows, and ``keep_fp16=("lm_head",)`` kept both its MLP's up projections float too."""
+    from edgetvm.relax_passes.quant_report import quantization_report
+
+    mod = import_onnx(str(DATA / "gpt2_tiny_with_past.onnx")).mod
+    report = quantization_report(QuantizeW4A16(group_size=32, keep_fp16=("lm_head",))(mod))
+    assert (report.w4_linears, report.float_linears) == (8, 1)
