@@ -220,7 +220,7 @@ def build_cluster(region, shapes: list):
     """FusionCluster + consts + matmul shapes for a region, given its runtime arg shapes.
 
     Only called for regions :func:`offloadable` accepted."""
-    kind, a, attrs = region.kind, region.args, region.attrs
+    kind, attrs = region.kind, region.attrs
     x_shape = shapes[0]
     m, h = rows_of(x_shape), int(x_shape[-1])
     t = {"x": ((m, h), F16)}
@@ -250,14 +250,14 @@ def build_cluster(region, shapes: list):
         return FusionCluster("activation", t, [stage], ("y",), ()), {}, {}, m
     if kind == "rms_norm":
         eps = float(attrs.get("edgetvm.eps", "1e-5"))
-        w = a[-1] if attrs.get("edgetvm.has_weight") == "1" else None
-        w = np.ones(h, F16) if w is None or np.ndim(w) == 0 else np.asarray(w, F16).reshape(h)
+        w = rms_norm_weight(region, h)
         t["nw"] = ((h,), F16)
         stages = [Stage("rms_norm", ("x", "nw"), "y", {"eps": eps})]
         return FusionCluster("rms_norm", t, stages, ("y",), ("nw",)), {"nw": w}, {}, m
     if kind == "layer_norm":
         gamma, beta, eps = layer_norm_params(region)
-        consts = {"nw": np.asarray(gamma, F16).reshape(h), "nb": np.asarray(beta, F16).reshape(h)}
+        consts = {"nw": _per_column(gamma, h, "LayerNorm gain"),
+                  "nb": _per_column(beta, h, "LayerNorm bias")}
         t.update({"nw": ((h,), F16), "nb": ((h,), F16)})
         stages = [Stage("layer_norm", ("x", "nw", "nb"), "y", {"eps": eps})]
         return FusionCluster("layer_norm", t, stages, ("y",), ("nw", "nb")), consts, {}, m
@@ -273,6 +273,35 @@ def build_cluster(region, shapes: list):
                         {**rope_stage_attrs(region), "head_dim": hd})]
         return FusionCluster("rope", t, stages, ("y",), ()), {}, {}, m
     raise EdgeTVMError(f"no NPU kernel for region kind {kind!r}")
+
+
+def _per_column(v, h: int, what: str) -> np.ndarray:
+    """A norm's gain or bias as ``h`` fp16 values: one per column, or one for all (a scalar
+    or a one-element constant broadcasts, as it does in the graph)."""
+    v = np.asarray(v, F16)
+    if v.size == 1:
+        return np.full(h, v.reshape(()), F16)
+    if v.size != h:
+        raise EdgeTVMError(f"a {what} of shape {v.shape} over {h} columns has no NPU kernel")
+    return v.reshape(h)
+
+
+def rms_norm_weight(region, h: int) -> np.ndarray:
+    """The RMSNorm region's weight as ``h`` fp16 values: the constant parameter its result
+    is multiplied by (ones where the exporter folded a weight of ones away)."""
+    if region.attrs.get("edgetvm.has_weight") != "1":
+        return np.ones(h, F16)
+    func = region.func
+    defs = bindings(func)
+    (out,) = function_outputs(func)
+    last = defs.get(out)
+    idx = [param_index(func, v) for v in last.args] if op_name(last) == "relax.multiply" \
+        else []
+    idx = [i for i in idx if i is not None and i != 0]        # parameter 0 is x
+    if len(idx) != 1 or region.args[idx[0]] is None:
+        raise EdgeTVMError(f"RMSNorm region {region.index}: its weight is not a constant "
+                           f"parameter of its last multiply")
+    return _per_column(region.args[idx[0]], h, "RMSNorm weight")
 
 
 def layer_norm_params(region) -> tuple:

@@ -266,3 +266,31 @@ def test_a_clamp_that_changes_the_scores_is_not_taken_for_attention(tmp_path, ca
     assert Counter(r.kind for r in session.regions)["attention"] == 0
     got, _ = greedy_loop(lambda f: session(f)[0], input_names, kv, PROMPT, 4)
     assert got == clamped
+
+
+@pytest.mark.parametrize("shape, value", [((), 1.9), ((1,), 0.6)])
+def test_an_rms_norm_weight_of_one_value_scales_every_column(tmp_path, capsys, shape, value):
+    """An RMSNorm weight that is one value (a scalar, or one element; DiffLlama's export
+    folds its ``(1 - lambda_init)`` into one) broadcasts over the columns. A scalar was
+    taken for no weight (ids as if it were 1, on both paths), one element failed deep in
+    numpy. onnxruntime's ids for the edited model differ from the model's own, so a
+    dropped weight fails."""
+    import onnx
+    from onnx import numpy_helper
+
+    from edgetvm.run import main
+
+    model = onnx.load(_path("llama"))
+    (init,) = [i for i in model.graph.initializer if i.name.endswith("input_layernorm.weight")]
+    init.CopyFrom(numpy_helper.from_array(np.full(shape, value, np.float32), init.name))
+    path = str(tmp_path / "llama_one_value_norm.onnx")
+    onnx.save(model, path)
+    ref_run, input_names, kv = onnxruntime_model(path)
+    want, ref_calls = greedy_loop(ref_run, input_names, kv, PROMPT, 8)
+    assert want != greedy_loop(*onnxruntime_model(_path("llama"))[:3], PROMPT, 8)[0]
+    session = NPUSession(path, "edge-npu-16mb", max_tokens=MAX_TOKENS)
+    got, npu_calls = greedy_loop(lambda f: session(f)[0], input_names, kv, PROMPT, 8)
+    assert got == want
+    assert_outputs_close(npu_calls, ref_calls, "llama_one_value_norm")
+    assert main([path, "--prompt-ids", "5,17,42,7", "--max-new-tokens", "8",
+                 "--check-onnx"]) == 0, capsys.readouterr().out
