@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from edgetvm.errors import ModelImportError
+from edgetvm.errors import EdgeTVMError, ModelImportError
 from edgetvm.frontend.loader import read_onnx_file
 
 
@@ -123,11 +123,25 @@ def greedy(run, kv: KVSpec, prompt, max_new_tokens: int, on_step=None,
             on_step(rec)
         past = {n: outs[n] for names in kv.names for n in names[2:]}
         past_len += len(ids)
+        _check_present(past, past_len)
         if last_of_prompt:
             generated += 1
             if generated >= max_new_tokens:
                 break
     return records
+
+
+def _check_present(present: dict, length: int) -> None:
+    """Every layer's ``present`` holds the ``length`` positions seen so far (it is fed
+    back as the next call's past, of one length for all layers)."""
+    for name, value in present.items():
+        held = np.shape(value)[2] if np.ndim(value) == 4 else None
+        if held != length:
+            raise EdgeTVMError(
+                f"the model's {name} holds {held} positions after {length} tokens: its KV "
+                f"cache does not grow with the sequence (a layer that reuses another's KV, "
+                f"as Gemma-3n's do?); edgetvm needs every layer's present to be its past "
+                f"plus the new tokens")
 
 
 def tokens_of(records) -> list:

@@ -410,8 +410,11 @@ def _offloadable(region) -> bool:
         return True
     if kind == "activation":
         gated = attrs.get("edgetvm.gated") == "1"
+        # gated: the kernel reads the activation's input and the multiplier as two
+        # tensors (not one fused projection the region slices in two, as ModernBERT's)
         return _tensor_inputs(region) == (2 if gated else 1) and \
-            _has_activation_kernel(attrs.get("edgetvm.activation"), gated)
+            _has_activation_kernel(attrs.get("edgetvm.activation"), gated) and \
+            (not gated or param_index(region.func, activation_input(region)) is not None)
     if kind == "rms_norm":
         return _tensor_inputs(region) == 1
     if kind == "layer_norm":
@@ -420,8 +423,10 @@ def _offloadable(region) -> bool:
     if kind == "residual_add":
         return _tensor_inputs(region) == 2
     if kind == "embedding":
+        # one result: Gemma-3n gathers a second table by the same ids, whose wrap of
+        # negative ids the first lookup's region then also returns
         tables = [v for v in a if v is not None and np.ndim(v) == 2 and v.dtype.kind == "f"]
-        return len(tables) == 1
+        return len(tables) == 1 and passthrough_outputs(region.func) == []
     if kind == "kv_append":            # must read a past_key_values input (with-past export)
         return any(n and n.startswith("past_key_values_") for n in region.arg_names) and \
             _new_tokens_fit_the_cache(region)

@@ -109,10 +109,17 @@ def linears(region) -> list:
 
 
 def activation_input(region):
-    """The value the region's activation function is applied to (first activation op)."""
-    for value in bindings(region.func).values():
+    """The value the region's activation function is applied to: the first activation op's
+    operand, through the scalings before it (GELU spelled ``x * (1 + erf(x / sqrt(2))) /
+    2`` applies ``erf`` to ``x / sqrt(2)``)."""
+    defs = bindings(region.func)
+    for value in defs.values():
         if op_name(value) in ACTIVATION_OPS:
-            return value.args[0]
+            x = value.args[0]
+            while x in defs and op_name(defs[x]) in ("relax.divide", "relax.multiply") and \
+                    isinstance(defs[x].args[1], relax.Var) and defs[x].args[1] not in defs:
+                x = defs[x].args[0]        # by a region parameter: a constant
+            return x
     raise ValueError("no activation op in the region")
 
 

@@ -12,8 +12,8 @@ files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``gemma3_tiny_with_past.onnx``, ``codegen_tiny_with_past.onnx``,
 ``bloom_tiny_with_past.onnx``, ``nemotron_tiny_with_past.onnx``,
 ``olmo_clip_tiny_with_past.onnx``, ``gpt_neo_tiny_with_past.onnx``,
-``xglm_tiny_with_past.onnx`` and ``stablelm_qk_tiny_with_past.onnx`` (families the zoo
-tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
+``xglm_tiny_with_past.onnx``, ``stablelm_qk_tiny_with_past.onnx`` and
+``modernbert_decoder_tiny_with_past.onnx`` (families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
 meets:
@@ -285,6 +285,45 @@ def export_stablelm_qk(work):
               os.path.join(HERE, "stablelm_qk_tiny_with_past.onnx"))
 
 
+def export_modernbert_decoder(work):
+    """ModernBERT-decoder: a GLU MLP whose one fused projection is sliced in two, GELU
+    spelled with ``erf`` of its input over sqrt(2) (the activation's input is found through
+    that scaling), LayerNorm without bias, rotary; global layers only (the export masks its
+    local layers' keys 64 positions back whatever the window, shorter than the tests'
+    caches: a clear refusal there). optimum-onnx 0.1 has no config for it:
+    exported with its Llama config, reading the KV heads from the attention heads. Norm
+    gains random (the init's ones hide a dropped one)."""
+    import torch
+    import transformers
+    from optimum.exporters.onnx import main_export
+    from optimum.exporters.onnx.model_configs import LlamaOnnxConfig
+    from optimum.utils import NormalizedTextConfig
+
+    class ModernBertDecoderOnnxConfig(LlamaOnnxConfig):
+        NORMALIZED_CONFIG_CLASS = NormalizedTextConfig.with_args(
+            num_key_value_heads="num_attention_heads", allow_new=True)
+
+    torch.manual_seed(0)
+    config = transformers.ModernBertDecoderConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+        layer_types=["full_attention"] * 2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.2)
+    hf, out = os.path.join(work, "hf_modernbert"), os.path.join(work, "onnx_modernbert")
+    model.save_pretrained(hf)
+    onnx_config = ModernBertDecoderOnnxConfig(transformers.AutoConfig.from_pretrained(hf),
+                                              task="text-generation", use_past=True,
+                                              use_past_in_inputs=True)
+    main_export(hf, out, task="text-generation-with-past", do_validation=False,
+                custom_onnx_configs={"model": onnx_config})
+    onnx.save(onnx.load(os.path.join(out, "model.onnx")),
+              os.path.join(HERE, "modernbert_decoder_tiny_with_past.onnx"))
+
+
 def export_xglm(work):
     """XGLM: q scaled before its head split, attention on (batch * heads)-row 3-D tensors
     with the mask added to the scores reshaped back to 4-D and clamped by ``Max(scores,
@@ -385,6 +424,7 @@ def main(zoo):
     export_gpt_neo(os.path.join(zoo, ".work"))
     export_xglm(os.path.join(zoo, ".work"))
     export_stablelm_qk(os.path.join(zoo, ".work"))
+    export_modernbert_decoder(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

@@ -145,6 +145,11 @@ IMPORTED = {
     # on the NPU, not a split, eight norms and a concat per layer on the host
     "stablelm_qk": ({"layer_norm", "linear", "mlp", "lm_head", "attention", "kv_append",
                      "rope"}, ""),
+    # ModernBERT-decoder's GLU: one fused projection sliced in two, GELU spelled with the
+    # erf of its input over sqrt(2); the gated activation's input is found through that
+    # scaling (it was a traceback on the reference path, an internal error compiled)
+    "modernbert_decoder": ({"layer_norm", "linear", "lm_head", "attention", "kv_append",
+                            "rope", "activation"}, ""),
 }
 
 

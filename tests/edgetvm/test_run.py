@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from edgetvm.errors import EdgeTVMError
 from edgetvm.generate import KVSpec, StepRecord, greedy, tokens_of
 from edgetvm.run import compare_logits, divergence, main
 from edgetvm.runtime.model import ModelRunner
@@ -101,6 +102,25 @@ def test_greedy_reads_the_last_position_and_feeds_back_the_token():
     assert [c["input_ids"].tolist() for c in model.calls] == [[[3, 4, 5]], [[11]], [[12]]]
     assert [c["past_key_values.0.key"].shape[2] for c in model.calls] == [0, 3, 4]
     assert [c["position_ids"].tolist() for c in model.calls][1:] == [[[3]], [[4]]]
+
+
+def test_greedy_refuses_a_present_that_does_not_grow():
+    """A layer whose present is not its past plus the new tokens (Gemma-3n's layers that
+    reuse another's KV return an empty one) cannot be fed back as one past length: a clear
+    error after the step, not the VM's shape check in the middle of the next one."""
+    class Shared(_FakeModel):
+        def __call__(self, feeds):
+            outs, meter = super().__call__(feeds)
+            outs["present.1.key"] = outs["present.1.value"] = np.zeros((1, 1, 0, 2))
+            return outs, meter
+    kv = KVSpec([("past_key_values.0.key", "past_key_values.0.value", "present.0.key",
+                  "present.0.value"),
+                 ("past_key_values.1.key", "past_key_values.1.value", "present.1.key",
+                  "present.1.value")], 1, 2, "float32")
+    model = Shared()
+    with pytest.raises(EdgeTVMError, match="present.1.key holds 0 positions after 3 tokens"):
+        greedy(model, kv, [3, 4, 5], 3)
+    assert len(model.calls) == 1
 
 
 def test_greedy_chunked_prompt_yields_a_token_only_after_the_last_chunk():
