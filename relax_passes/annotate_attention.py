@@ -72,12 +72,14 @@ def attention_patterns() -> list[RegionPattern]:
         call("relax.divide", pre_masked, s_div)
     # GPT-Neo does not scale at all: the mask added to q @ k^T itself (scale 1)
     logits = masked | masked_scaled | scores | call("relax.add", raw, mask)
-    # XGLM (q scaled before its projection's head split): the (batch * heads)-row scores
-    # back to 4-D for the mask, clamped from below by maximum(x, fill) with fill <= -1e4
-    # (a no-op after the softmax: what it raises weighs 0 either way), the softmax in 3-D
+    # the masked scores clamped from below by maximum(x, fill) with fill <= -1e4 (a no-op
+    # after the softmax: what it raises weighs 0 either way): OpenLLaMA; XGLM (q scaled
+    # before its projection's head split) clamps BLOOM's (batch * heads)-row scores
+    # reshaped back to 4-D for the mask, and takes the softmax in 3-D
     clamp = is_const()
-    clamped = call("relax.maximum", call("relax.add", call("relax.reshape", raw3), mask), clamp)
-    probs = call("relax.nn.softmax", logits | call("relax.reshape", clamped))
+    clamped = call("relax.maximum",
+                   logits | call("relax.add", call("relax.reshape", raw3), mask), clamp)
+    probs = call("relax.nn.softmax", logits | clamped | call("relax.reshape", clamped))
     probs = call("relax.where", call("relax.isnan", probs), is_const(), probs) | probs
     v_rep, v_expand, v_bcast = _repeat_kv(head_split(v))
     out = call("relax.reshape", call("relax.matmul", call("relax.reshape", probs) | probs,

@@ -20,6 +20,7 @@ from edgetvm.errors import ModelImportError
 
 from .clip import convert_clip, convert_max, convert_min
 from .constant_folding import fold_constant_node
+from .einsum import convert_einsum
 from .dynamic_shape_fixes import DYNAMIC_SHAPE_FIXES
 from .loader import load_model, op_histogram
 from .matmul_nbits import convert_matmul_nbits
@@ -30,7 +31,8 @@ from .shape_overrides import apply_shape_overrides
 #: every node whose (domain, op_type) is not supported, so "MatMulNBits" here is
 #: always com.microsoft's.
 CONVERTER_OVERRIDES = {**DYNAMIC_SHAPE_FIXES, "MatMulNBits": convert_matmul_nbits,
-                       "Clip": convert_clip, "Max": convert_max, "Min": convert_min}
+                       "Clip": convert_clip, "Max": convert_max, "Min": convert_min,
+                       "Einsum": convert_einsum}
 
 # TVM warns for every renamed input (dots) and every dynamic dimension: expected here.
 _EXPECTED_TVM_WARNINGS = ("Renaming name", "has unknown dimension shapes")

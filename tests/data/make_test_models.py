@@ -12,8 +12,9 @@ files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``gemma3_tiny_with_past.onnx``, ``codegen_tiny_with_past.onnx``,
 ``bloom_tiny_with_past.onnx``, ``nemotron_tiny_with_past.onnx``,
 ``olmo_clip_tiny_with_past.onnx``, ``gpt_neo_tiny_with_past.onnx``,
-``xglm_tiny_with_past.onnx``, ``stablelm_qk_tiny_with_past.onnx`` and
-``modernbert_decoder_tiny_with_past.onnx`` (families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
+``xglm_tiny_with_past.onnx``, ``stablelm_qk_tiny_with_past.onnx``,
+``modernbert_decoder_tiny_with_past.onnx`` and ``open_llama_tiny_with_past.onnx``
+(families the zoo tool does not make) are exported here the same way; and its Llama checkpoint (``.work/hf_llama``: 2
 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, intermediate 160, vocab 512, random
 weights, ``torch.manual_seed(0)``) is exported again in the other spellings the front end
 meets:
@@ -324,6 +325,43 @@ def export_modernbert_decoder(work):
               os.path.join(HERE, "modernbert_decoder_tiny_with_past.onnx"))
 
 
+def export_open_llama(work):
+    """OpenLLaMA: the masked scores clamped by ``Max(scores, finfo.min)`` before the
+    softmax, the tied lm_head an ``Einsum("blh,vh->blv")`` with the embedding table (both
+    imported as the ops the patterns know: an elementwise maximum, a matmul), RMSNorm,
+    SwiGLU, rotary, multi-head attention. Exported with optimum's Llama config, the KV
+    heads read from the attention heads; norm gains random."""
+    import torch
+    import transformers
+    from optimum.exporters.onnx import main_export
+    from optimum.exporters.onnx.model_configs import LlamaOnnxConfig
+    from optimum.utils import NormalizedTextConfig
+
+    class OpenLlamaOnnxConfig(LlamaOnnxConfig):
+        NORMALIZED_CONFIG_CLASS = NormalizedTextConfig.with_args(
+            num_key_value_heads="num_attention_heads", allow_new=True)
+
+    torch.manual_seed(0)
+    config = transformers.OpenLlamaConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.2)
+    hf, out = os.path.join(work, "hf_open_llama"), os.path.join(work, "onnx_open_llama")
+    model.save_pretrained(hf)
+    onnx_config = OpenLlamaOnnxConfig(transformers.AutoConfig.from_pretrained(hf),
+                                      task="text-generation", use_past=True,
+                                      use_past_in_inputs=True)
+    main_export(hf, out, task="text-generation-with-past", do_validation=False,
+                custom_onnx_configs={"model": onnx_config})
+    onnx.save(onnx.load(os.path.join(out, "model.onnx")),
+              os.path.join(HERE, "open_llama_tiny_with_past.onnx"))
+
+
 def export_xglm(work):
     """XGLM: q scaled before its head split, attention on (batch * heads)-row 3-D tensors
     with the mask added to the scores reshaped back to 4-D and clamped by ``Max(scores,
@@ -425,6 +463,7 @@ def main(zoo):
     export_xglm(os.path.join(zoo, ".work"))
     export_stablelm_qk(os.path.join(zoo, ".work"))
     export_modernbert_decoder(os.path.join(zoo, ".work"))
+    export_open_llama(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

@@ -627,3 +627,15 @@ def test_clip_imports_as_relax_max_and_min(bounds):
     lo, hi = ((True, True) if bounds == "runtime" else
               tuple(b is not None and not np.isnan(b) for b in bounds))
     assert ("R.maximum" in text, "R.minimum" in text) == (lo, hi)
+
+
+@pytest.mark.parametrize("equation, form", [
+    ("blh,vh->blv", "transposed"), ("bh,hv->bv", "plain"), (" blh , hv -> blv ", "plain"),
+    ("blh,vh->bvl", None),           # the output's indices in another order
+    ("blh,bh->bl", None),            # a batched contraction, not a linear
+    ("ij,jk,kl->il", None), ("bhld,bhmd->bhlm", None), ("...h,vh->...v", None),
+    ("hl,vh->lv", None)])            # the contracted index is not the first's last
+def test_einsum_of_a_linear_is_recognised_and_nothing_else(equation, form):
+    from edgetvm.frontend.einsum import _linear_form
+
+    assert _linear_form(equation) == form
