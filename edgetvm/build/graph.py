@@ -503,7 +503,9 @@ class _Extractor:
             name = f"a {kind} region" if kind else op.name_hint
             where = next((_onnx_node(b.value) for blk in func.body.blocks
                           for b in blk.bindings if _onnx_node(b.value)), "")
-        raise BuildError(f"{var.name} = {name}({kinds}){where}: host code on NPU "
+        unrecognised = unrecognised_attention(self.defs, var)
+        raise BuildError((f"{unrecognised}; it stopped at " if unrecognised else "") +
+                         f"{var.name} = {name}({kinds}){where}: host code on NPU "
                          f"data with no NPU "
                          f"kernel; the phase program cannot run it (the region-by-region "
                          f"reference path can: python -m edgetvm.run model.onnx --reference)")
@@ -1035,6 +1037,73 @@ def _ints(e) -> list:
 def _describe(value) -> str:
     op = getattr(value, "op", None)
     return getattr(op, "name", type(value).__name__) + _onnx_node(value)
+
+
+#: ops that only move or retype data: left out of what an attention computes
+_LAYOUT = {"relax.reshape", "relax.permute_dims", "relax.broadcast_to", "relax.astype",
+           "relax.expand_dims", "relax.squeeze"}
+
+
+def unrecognised_attention(defs: dict, var, reach: int = 80) -> str | None:
+    """Why the host code at ``var`` stops the program, when it feeds a softmax that no
+    attention region took (the attention pattern did not recognise what the model computes
+    between its scores and its softmax): those ops, with their ONNX nodes. None when
+    ``var`` reaches no such softmax within ``reach`` bindings."""
+    users: dict = {}
+    for v, value in defs.items():
+        for a in getattr(value, "args", ()):
+            if isinstance(a, relax.Var):
+                users.setdefault(a, []).append(v)
+    frontier, seen, softmax = [var], {var}, None
+    for _ in range(reach):
+        nxt = []
+        for v in frontier:
+            for u in users.get(v, ()):
+                if u in seen:
+                    continue
+                seen.add(u)
+                if _op(defs[u]) == "relax.nn.softmax":
+                    softmax = u
+                    break
+                nxt.append(u)
+            if softmax is not None:
+                break
+        if softmax is not None or not nxt:
+            break
+        frontier = nxt
+    if softmax is None:
+        return None
+    upstream, stack, scores = set(), [defs[softmax].args[0]], None
+    while stack:                      # what the softmax's input is computed from
+        v = stack.pop()
+        if not isinstance(v, relax.Var) or v not in defs or v in upstream:
+            continue
+        upstream.add(v)
+        value = defs[v]
+        if _op(value) == "relax.matmul" and all(isinstance(a, relax.Var) for a in value.args[:2]):
+            scores = v if scores is None else scores
+            continue                  # q @ k^T: where the scores start
+        stack.extend(a for a in getattr(value, "args", ()) if isinstance(a, relax.Var))
+    if scores is None:
+        return None
+    path, stack = set(), [scores]       # ... and on a path from the scores
+    while stack:
+        v = stack.pop()
+        for u in users.get(v, ()):
+            if u in upstream and u not in path:
+                path.add(u)
+                stack.append(u)
+    ops = [f"{_op(defs[v]).removeprefix('relax.')}{_onnx_node(defs[v])}"
+           for v in defs if v in path and _op(defs[v]) not in _LAYOUT and _op(defs[v])]
+    return (f"an attention the NPU kernel does not take: between its scores "
+            f"q @ k^T{_onnx_node(defs[scores])} and its softmax"
+            f"{_onnx_node(defs[softmax])} the model computes {', '.join(ops) or 'nothing'} "
+            f"(the kernel takes one scaling, an added mask and a clamp at -1e4 or below)")
+
+
+def _op(value) -> str:
+    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) \
+        else ""
 
 
 def _onnx_node(value) -> str:

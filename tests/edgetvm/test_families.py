@@ -304,3 +304,33 @@ def test_an_rms_norm_weight_of_one_value_scales_every_column(tmp_path, capsys, s
     assert_outputs_close(npu_calls, ref_calls, "llama_one_value_norm")
     assert main([path, "--prompt-ids", "5,17,42,7", "--max-new-tokens", "8",
                  "--check-onnx"]) == 0, capsys.readouterr().out
+
+
+def test_an_attention_the_kernel_does_not_take_is_refused_naming_what_it_computes(
+        tmp_path, capsys):
+    """A softcap-like tanh between the scores and the softmax (Gemma-2's attention logit
+    soft-capping, exported eagerly): the attention is not recognised, and the refusal
+    named a KV layout op; it names the ops between q @ k^T and the softmax."""
+    import onnx
+    from onnx import helper
+
+    from edgetvm.run import main
+
+    model = onnx.load(_path("llama"))
+    nodes = list(model.graph.node)
+    (i, softmax), = [(i, n) for i, n in enumerate(nodes)
+                     if n.op_type == "Softmax" and "layers.1" in n.name]
+    capped = helper.make_node("Tanh", [softmax.input[0]], ["capped_scores"],
+                              name="/model/layers.1/self_attn/SoftCap")
+    softmax.input[0] = "capped_scores"
+    nodes.insert(i, capped)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    path = str(tmp_path / "llama_capped.onnx")
+    onnx.save(model, path)
+    onnxruntime_model(path)                                     # a model onnxruntime runs
+    assert main([path, "--prompt-ids", "5,17,42,7", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "an attention the NPU kernel does not take: between its scores q @ k^T (ONNX " \
+           "node '/model/layers.1/self_attn/MatMul')" in err
+    assert "tanh (ONNX node '/model/layers.1/self_attn/SoftCap')" in err
