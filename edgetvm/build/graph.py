@@ -938,9 +938,10 @@ class _Extractor:
         order = _kernel_order(region, [p for p, _ in tensors])
         values = [tensors[i][1] for i in order]
         if not all(isinstance(a, Dev) for a in values):
-            bad = [type(a).__name__ for a in values if not isinstance(a, Dev)]
-            raise BuildError(f"{region.kind} region {region.index}: inputs {bad} are not NPU "
-                             f"data")
+            bad = sorted({_HOST_VALUES.get(type(a).__name__, "a value the host computes")
+                          for a in values if not isinstance(a, Dev)})
+            raise BuildError(f"{region.kind} region {region.index}: its kernel reads NPU "
+                             f"tensors, and an input is {' and '.join(bad)}")
         y_shape = shapes[passthrough.index(False)] if passthrough else shapes[0]
         rows = int(np.prod(y_shape[:-1], dtype=np.int64)) if len(y_shape) > 1 else 1
         last = var in self.last_vars        # prefill: the last token's row only
@@ -1038,6 +1039,11 @@ def _describe(value) -> str:
     op = getattr(value, "op", None)
     return getattr(op, "name", type(value).__name__) + _onnx_node(value)
 
+
+#: what a region input that is not NPU data is, for a user
+_HOST_VALUES = {"Pos": "a value the host computes from constants and the token positions "
+                       "alone (a position embedding, a bias broadcast to a runtime shape)",
+                "Tok": "the token ids", "Const": "a constant"}
 
 #: ops that only move or retype data: left out of what an attention computes
 _LAYOUT = {"relax.reshape", "relax.permute_dims", "relax.broadcast_to", "relax.astype",
