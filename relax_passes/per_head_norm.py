@@ -83,8 +83,11 @@ def _per_head_norm(concat, bound):
     shape = static_shape(y)
     heads = len(items)
     ndim = len(shape)
+    sections = split.attrs.indices_or_sections          # H equal sections, or the indices
+    one_per_head = int(sections) == heads if isinstance(sections, (int, tvm.tirx.IntImm)) \
+        else [int(i) for i in sections] == list(range(1, heads))
     if int(split.attrs.axis) % ndim != axis % ndim or shape[axis] != heads or \
-            list(split.attrs.indices_or_sections) != list(range(1, heads)):
+            not one_per_head:
         return None
     d = shape[-1]
     gain = np.stack([const_array(n.args[1]).reshape(-1) for n in norms])

@@ -15,7 +15,8 @@ B, S, H, D = 1, 5, 3, 8
 EPS = 1e-5
 
 
-def _per_head_norm(heads_first: bool, gains, biases, eps=(EPS,) * H, width=1):
+def _per_head_norm(heads_first: bool, gains, biases, eps=(EPS,) * H, width=1,
+                   sections_as_count=False):
     """``concat([layer_norm(split(y)[h], g_h, b_h)], axis)`` with ``y`` the input token-major
     ``x (B, S, H, D)``, or its heads moved first (``permute_dims [0, 2, 1, 3]``)."""
     bb = relax.BlockBuilder()
@@ -24,7 +25,8 @@ def _per_head_norm(heads_first: bool, gains, biases, eps=(EPS,) * H, width=1):
     with bb.function("main", [x]):
         with bb.dataflow():
             y = bb.emit(relax.op.permute_dims(x, [0, 2, 1, 3])) if heads_first else x
-            pieces = bb.emit(relax.op.split(y, list(range(width, H, width)), axis=axis))
+            sections = H // width if sections_as_count else list(range(width, H, width))
+            pieces = bb.emit(relax.op.split(y, sections, axis=axis))
             normed = [bb.emit(relax.op.nn.layer_norm(
                 bb.emit(relax.TupleGetItem(pieces, i)), relax.const(gains[i]),
                 relax.const(biases[i]), axes=[-1], epsilon=eps[i]))
@@ -44,15 +46,17 @@ def _ops(mod):
             if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
 
 
-@pytest.mark.parametrize("heads_first", [True, False])
+@pytest.mark.parametrize("heads_first, sections_as_count", [(True, False), (False, False),
+                                                            (True, True)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_per_head_norm_becomes_one_norm_with_the_same_result(heads_first, with_bias):
+def test_per_head_norm_becomes_one_norm_with_the_same_result(heads_first, sections_as_count,
+                                                             with_bias):
     rng = np.random.default_rng(0)
     gains = rng.normal(1.0, 0.3, (H, D)).astype(np.float32)
     biases = (rng.normal(0.0, 0.3, (H, D)) if with_bias else np.zeros((H, D))) \
         .astype(np.float32)
     x = rng.normal(0.5, 2.0, (B, S, H, D)).astype(np.float32)
-    mod = _per_head_norm(heads_first, gains, biases)
+    mod = _per_head_norm(heads_first, gains, biases, sections_as_count=sections_as_count)
     new = PerHeadLayerNorm()(mod)
     ops = _ops(new)
     assert "relax.split" not in ops and "relax.concat" not in ops
