@@ -480,7 +480,9 @@ class NPUSession:
         tile = min(64, pages * kv.page_tokens)
         alibi = slopes is not None
         if s == 1:
-            key = ("decode_attention", pages, alibi)
+            # the scale is an immediate of the program: a key per scale (GPT-2 scales each
+            # layer's scores by its index; one program for all gave every layer the first's)
+            key = ("decode_attention", pages, alibi, scale)
             build = lambda: schedule_decode_attention(  # noqa: E731
                 kv.layout, hq, pages, self.spec, tile_kv=tile, slots_kv=2, slots_s=1,
                 scale=scale, alibi=alibi)
@@ -488,7 +490,7 @@ class NPUSession:
             params = {"valid_len": valid}
         else:
             c = self.bucket(s)
-            key = ("prefill_attention", c, pages, alibi)
+            key = ("prefill_attention", c, pages, alibi, scale)
             build = lambda: schedule_prefill_attention(  # noqa: E731
                 kv.layout, hq, c, self.spec, tile_q=min(64, c), tile_kv=tile, slots_kv=2,
                 slots_s=1, chunked=True, max_pages=pages, scale=scale, alibi=alibi)

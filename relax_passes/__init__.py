@@ -18,6 +18,7 @@ from .annotate_residual import AnnotateResidual
 from .annotate_rms_norm import AnnotateRMSNorm
 from .annotate_rope import AnnotateRoPE
 from .per_head_norm import PerHeadLayerNorm
+from .scalar_scalings import FoldScalarScalings
 from .remove_identity_casts import RemoveIdentityCasts
 from .pipeline import AnnotateLLMSemantics, semantic_passes
 from .quantize_w4a16 import QuantizeW4A16
@@ -38,6 +39,7 @@ __all__ = [
     "AnnotateRMSNorm",
     "AnnotateRoPE",
     "COVERAGE_DEFINITION",
+    "FoldScalarScalings",
     "PerHeadLayerNorm",
     "QuantizeW4A16",
     "RemoveIdentityCasts",

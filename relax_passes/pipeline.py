@@ -19,6 +19,7 @@ from .annotate_rms_norm import AnnotateRMSNorm
 from .annotate_rope import AnnotateRoPE
 from .additive_mask import AdditiveAttentionMask
 from .per_head_norm import PerHeadLayerNorm
+from .scalar_scalings import FoldScalarScalings
 from .remove_identity_casts import RemoveIdentityCasts
 
 
@@ -29,6 +30,8 @@ def semantic_passes() -> list:
       attention scale ``sqrt(1 / sqrt(head_dim))``, Gemma's ``1 + weight``), and a pattern
       that expects a constant would not see one;
     - identity casts next: they sit between the ops the patterns look for;
+    - two scalings by constant scalars in a row become one (a pattern takes one scaling
+      of the attention scores);
     - a LayerNorm per head (split, one norm per slice, concat) becomes one norm with a
       gain per head before any norm pattern looks;
     - a masked fill before a softmax becomes an added mask (MPT's ALiBi attention), the
@@ -45,6 +48,7 @@ def semantic_passes() -> list:
     return [
         relax.transform.FoldConstant(),
         RemoveIdentityCasts(),
+        FoldScalarScalings(),
         PerHeadLayerNorm(),
         AdditiveAttentionMask(),
         AnnotateEmbedding(),

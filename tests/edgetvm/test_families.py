@@ -334,3 +334,42 @@ def test_an_attention_the_kernel_does_not_take_is_refused_naming_what_it_compute
     assert "an attention the NPU kernel does not take: between its scores q @ k^T (ONNX " \
            "node '/model/layers.1/self_attn/MatMul')" in err
     assert "tanh (ONNX node '/model/layers.1/self_attn/SoftCap')" in err
+
+
+def test_a_layer_that_scales_its_scores_twice_runs_with_its_own_scale(tmp_path, capsys):
+    """GPT-J's second layer divides its scores once more, by 3 (as GPT-2's
+    ``scale_attn_by_inverse_layer_idx`` divides by the layer's index plus one): the two
+    scalings are one (FoldScalarScalings), so the attention is recognised (it was refused),
+    and the reference path's attention program is keyed by its scale (one program for
+    every layer gave the second layer the first's scale: a wrong answer there)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from edgetvm.run import main
+
+    model = onnx.load(_path("gptj"))
+    nodes = list(model.graph.node)
+    (i, div), = [(i, n) for i, n in enumerate(nodes) if n.op_type == "Div" and
+                 "h.1/attn" in n.name and any(m.op_type == "Add" and n.output[0] in m.input
+                                              for m in nodes)]
+    model.graph.initializer.append(numpy_helper.from_array(np.array(3.0, np.float32),
+                                                           "layer_divisor"))
+    again = helper.make_node("Div", [div.output[0], "layer_divisor"], ["scores_again"],
+                             name="/transformer/h.1/attn/Div_again")
+    for n in nodes[i + 1:]:
+        n.input[:] = ["scores_again" if x == div.output[0] else x for x in n.input]
+    nodes.insert(i + 1, again)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    path = str(tmp_path / "gptj_scaled_twice.onnx")
+    onnx.save(model, path)
+    ref_run, input_names, kv = onnxruntime_model(path)
+    want, ref_calls = greedy_loop(ref_run, input_names, kv, PROMPT, 8)
+    assert want != greedy_loop(*onnxruntime_model(_path("gptj"))[:3], PROMPT, 8)[0]
+    session = NPUSession(path, "edge-npu-16mb", max_tokens=MAX_TOKENS)
+    assert Counter(r.kind for r in session.regions)["attention"] == 2
+    got, npu_calls = greedy_loop(lambda f: session(f)[0], input_names, kv, PROMPT, 8)
+    assert got == want
+    assert_outputs_close(npu_calls, ref_calls, "gptj_scaled_twice")
+    assert main([path, "--prompt-ids", "5,17,42,7", "--max-new-tokens", "8",
+                 "--check-onnx"]) == 0, capsys.readouterr().out
