@@ -117,10 +117,18 @@ def activation_input(region):
         if op_name(value) in ACTIVATION_OPS:
             x = value.args[0]
             while x in defs and op_name(defs[x]) in ("relax.divide", "relax.multiply") and \
-                    isinstance(defs[x].args[1], relax.Var) and defs[x].args[1] not in defs:
-                x = defs[x].args[0]        # by a region parameter: a constant
+                    _is_constant(region, defs[x].args[1]):
+                x = defs[x].args[0]
             return x
     raise ValueError("no activation op in the region")
+
+
+def _is_constant(region, expr) -> bool:
+    """Is ``expr`` a constant: inline, or a region parameter bound to one?"""
+    if isinstance(expr, tvm.ir.expr.Constant):
+        return True
+    i = param_index(region.func, expr)
+    return i is not None and region.args[i] is not None
 
 
 def unpack_uint4_zero_points(packed: np.ndarray, blocks: int) -> np.ndarray:

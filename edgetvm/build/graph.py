@@ -35,8 +35,9 @@ from tvm import relax
 
 from edgetvm.errors import EdgeTVMError
 from edgetvm.npu_regions import build_cluster, keeps_heads, passthrough_outputs
-from edgetvm.region_ops import (activation_input, attention_roles, param_index, past_input,
-                                rope_dims, rope_heads_axis, rope_roles, rope_stage_attrs)
+from edgetvm.region_ops import (activation_input, attention_roles, op_name, param_index,
+                                past_input, rope_dims, rope_heads_axis, rope_roles,
+                                rope_stage_attrs)
 from edgetvm.target.host_ops import HOST_BINARY, HOST_UNARY, shape_attr
 from edgetvm.target.isa import Affine
 from edgetvm.tir_schedules.fused import Stage
@@ -1068,7 +1069,7 @@ def unrecognised_attention(defs: dict, var, reach: int = 80) -> str | None:
                 if u in seen:
                     continue
                 seen.add(u)
-                if _op(defs[u]) == "relax.nn.softmax":
+                if op_name(defs[u]) == "relax.nn.softmax":
                     softmax = u
                     break
                 nxt.append(u)
@@ -1086,7 +1087,8 @@ def unrecognised_attention(defs: dict, var, reach: int = 80) -> str | None:
             continue
         upstream.add(v)
         value = defs[v]
-        if _op(value) == "relax.matmul" and all(isinstance(a, relax.Var) for a in value.args[:2]):
+        if op_name(value) == "relax.matmul" and \
+                all(isinstance(a, relax.Var) for a in value.args[:2]):
             scores = v if scores is None else scores
             continue                  # q @ k^T: where the scores start
         stack.extend(a for a in getattr(value, "args", ()) if isinstance(a, relax.Var))
@@ -1099,17 +1101,12 @@ def unrecognised_attention(defs: dict, var, reach: int = 80) -> str | None:
             if u in upstream and u not in path:
                 path.add(u)
                 stack.append(u)
-    ops = [f"{_op(defs[v]).removeprefix('relax.')}{_onnx_node(defs[v])}"
-           for v in defs if v in path and _op(defs[v]) not in _LAYOUT and _op(defs[v])]
+    ops = [f"{op_name(defs[v]).removeprefix('relax.')}{_onnx_node(defs[v])}"
+           for v in defs if v in path and op_name(defs[v]) not in _LAYOUT | {""}]
     return (f"an attention the NPU kernel does not take: between its scores "
             f"q @ k^T{_onnx_node(defs[scores])} and its softmax"
             f"{_onnx_node(defs[softmax])} the model computes {', '.join(ops) or 'nothing'} "
             f"(the kernel takes one scaling, an added mask and a clamp at -1e4 or below)")
-
-
-def _op(value) -> str:
-    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) \
-        else ""
 
 
 def _onnx_node(value) -> str:
