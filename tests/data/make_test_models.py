@@ -71,14 +71,51 @@ def _export(work, family, config, seed=0):
     import torch
     import transformers
     torch.manual_seed(seed)
+    _save_and_export(work, family, transformers.AutoModelForCausalLM.from_config(config).eval())
+
+
+def _save_and_export(work, family, model, onnx_config=None, **export_options):
+    """Save ``model`` and export it with past as ``<family>_tiny_with_past.onnx``: with
+    optimum-cli, or through ``main_export`` with ``onnx_config`` (a family optimum-onnx 0.1
+    has no config for)."""
     hf = os.path.join(work, f"hf_{family}")
     out = os.path.join(work, f"onnx_{family}")
-    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(hf)
-    cli = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
-    subprocess.run([cli, "export", "onnx", "-m", hf, "--task", "text-generation-with-past",
-                    out], check=True)
+    model.save_pretrained(hf)
+    if onnx_config is None:
+        cli = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
+        subprocess.run([cli, "export", "onnx", "-m", hf, "--task",
+                        "text-generation-with-past", out], check=True)
+    else:
+        from optimum.exporters.onnx import main_export
+        main_export(hf, out, task="text-generation-with-past",
+                    custom_onnx_configs={"model": onnx_config}, **export_options)
     onnx.save(onnx.load(os.path.join(out, "model.onnx")),
               os.path.join(HERE, f"{family}_tiny_with_past.onnx"))
+
+
+def _random_vectors(model, biases: bool = True) -> None:
+    """Norm gains from N(1, 0.2) and (with ``biases``) biases from N(0, 0.2): the init's
+    ones and zeros hide a dropped or swapped one."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.2)
+            elif biases and name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+
+
+def _llama_onnx_config(config):
+    """optimum's Llama config for ``config``, its KV heads read from the attention heads
+    (a multi-head family optimum-onnx 0.1 has no config for)."""
+    from optimum.exporters.onnx.model_configs import LlamaOnnxConfig
+    from optimum.utils import NormalizedTextConfig
+
+    class MultiHeadOnnxConfig(LlamaOnnxConfig):
+        NORMALIZED_CONFIG_CLASS = NormalizedTextConfig.with_args(
+            num_key_value_heads="num_attention_heads", allow_new=True)
+    return MultiHeadOnnxConfig(config, task="text-generation", use_past=True,
+                               use_past_in_inputs=True)
 
 
 def export_granite(work):
@@ -271,19 +308,8 @@ def export_stablelm_qk(work):
         initializer_range=0.2, qk_layernorm=True, use_qkv_bias=True,
         partial_rotary_factor=0.25, bos_token_id=1, eos_token_id=2)
     model = transformers.StableLmForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.normal_(1.0, 0.2)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-    hf, out = os.path.join(work, "hf_stablelm_qk"), os.path.join(work, "onnx_stablelm_qk")
-    model.save_pretrained(hf)
-    cli = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
-    subprocess.run([cli, "export", "onnx", "-m", hf, "--task", "text-generation-with-past",
-                    out], check=True)
-    onnx.save(onnx.load(os.path.join(out, "model.onnx")),
-              os.path.join(HERE, "stablelm_qk_tiny_with_past.onnx"))
+    _random_vectors(model)
+    _save_and_export(work, "stablelm_qk", model)
 
 
 def export_modernbert_decoder(work):
@@ -296,13 +322,6 @@ def export_modernbert_decoder(work):
     gains random (the init's ones hide a dropped one)."""
     import torch
     import transformers
-    from optimum.exporters.onnx import main_export
-    from optimum.exporters.onnx.model_configs import LlamaOnnxConfig
-    from optimum.utils import NormalizedTextConfig
-
-    class ModernBertDecoderOnnxConfig(LlamaOnnxConfig):
-        NORMALIZED_CONFIG_CLASS = NormalizedTextConfig.with_args(
-            num_key_value_heads="num_attention_heads", allow_new=True)
 
     torch.manual_seed(0)
     config = transformers.ModernBertDecoderConfig(
@@ -310,19 +329,9 @@ def export_modernbert_decoder(work):
         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
         layer_types=["full_attention"] * 2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.normal_(1.0, 0.2)
-    hf, out = os.path.join(work, "hf_modernbert"), os.path.join(work, "onnx_modernbert")
-    model.save_pretrained(hf)
-    onnx_config = ModernBertDecoderOnnxConfig(transformers.AutoConfig.from_pretrained(hf),
-                                              task="text-generation", use_past=True,
-                                              use_past_in_inputs=True)
-    main_export(hf, out, task="text-generation-with-past", do_validation=False,
-                custom_onnx_configs={"model": onnx_config})
-    onnx.save(onnx.load(os.path.join(out, "model.onnx")),
-              os.path.join(HERE, "modernbert_decoder_tiny_with_past.onnx"))
+    _random_vectors(model, biases=False)
+    _save_and_export(work, "modernbert_decoder", model, _llama_onnx_config(model.config),
+                     do_validation=False)
 
 
 def export_open_llama(work):
@@ -333,13 +342,6 @@ def export_open_llama(work):
     heads read from the attention heads; norm gains random."""
     import torch
     import transformers
-    from optimum.exporters.onnx import main_export
-    from optimum.exporters.onnx.model_configs import LlamaOnnxConfig
-    from optimum.utils import NormalizedTextConfig
-
-    class OpenLlamaOnnxConfig(LlamaOnnxConfig):
-        NORMALIZED_CONFIG_CLASS = NormalizedTextConfig.with_args(
-            num_key_value_heads="num_attention_heads", allow_new=True)
 
     torch.manual_seed(0)
     config = transformers.OpenLlamaConfig(
@@ -347,19 +349,9 @@ def export_open_llama(work):
         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.normal_(1.0, 0.2)
-    hf, out = os.path.join(work, "hf_open_llama"), os.path.join(work, "onnx_open_llama")
-    model.save_pretrained(hf)
-    onnx_config = OpenLlamaOnnxConfig(transformers.AutoConfig.from_pretrained(hf),
-                                      task="text-generation", use_past=True,
-                                      use_past_in_inputs=True)
-    main_export(hf, out, task="text-generation-with-past", do_validation=False,
-                custom_onnx_configs={"model": onnx_config})
-    onnx.save(onnx.load(os.path.join(out, "model.onnx")),
-              os.path.join(HERE, "open_llama_tiny_with_past.onnx"))
+    _random_vectors(model, biases=False)
+    _save_and_export(work, "open_llama", model, _llama_onnx_config(model.config),
+                     do_validation=False)
 
 
 def export_xglm(work):
@@ -372,7 +364,6 @@ def export_xglm(work):
     (tied, greedy decoding repeats one token from any seed)."""
     import torch
     import transformers
-    from optimum.exporters.onnx import main_export
     from optimum.exporters.onnx.config import TextDecoderOnnxConfig
     from optimum.utils import NormalizedTextConfig
 
@@ -388,20 +379,10 @@ def export_xglm(work):
         max_position_embeddings=256, init_std=0.2, scale_embedding=True,
         tie_word_embeddings=False)
     model = transformers.XGLMForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-            elif "layer_norm.weight" in name:
-                p.normal_(1.0, 0.2)
-    hf, out = os.path.join(work, "hf_xglm"), os.path.join(work, "onnx_xglm")
-    model.save_pretrained(hf)
-    onnx_config = XGLMOnnxConfig(config, task="text-generation", use_past=True,
-                                 use_past_in_inputs=True)
-    main_export(hf, out, task="text-generation-with-past",
-                custom_onnx_configs={"model": onnx_config}, no_post_process=True)
-    onnx.save(onnx.load(os.path.join(out, "model.onnx")),
-              os.path.join(HERE, "xglm_tiny_with_past.onnx"))
+    _random_vectors(model)
+    _save_and_export(work, "xglm", model,
+                     XGLMOnnxConfig(config, task="text-generation", use_past=True,
+                                    use_past_in_inputs=True), no_post_process=True)
 
 
 def _logits_only(model):
