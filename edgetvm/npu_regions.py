@@ -20,7 +20,8 @@ from edgetvm.tir_schedules.fused import (FusionCluster, Stage, knob_names, lower
                                          schedule_cluster)
 
 from .region_ops import (activation_input, attention_roles, bindings, depends_on, linears, op_name,
-                         param_index, rope_stage_attrs, unpack_uint4_zero_points)
+                         param_index, region_constant, rope_stage_attrs,
+                         unpack_uint4_zero_points)
 
 F16 = "float16"
 
@@ -295,13 +296,12 @@ def rms_norm_weight(region, h: int) -> np.ndarray:
     defs = bindings(func)
     (out,) = function_outputs(func)
     last = defs.get(out)
-    idx = [param_index(func, v) for v in last.args] if op_name(last) == "relax.multiply" \
-        else []
-    idx = [i for i in idx if i is not None and i != 0]        # parameter 0 is x
-    if len(idx) != 1 or region.args[idx[0]] is None:
-        raise EdgeTVMError(f"RMSNorm region {region.index}: its weight is not a constant "
-                           f"parameter of its last multiply")
-    return _per_column(region.args[idx[0]], h, "RMSNorm weight")
+    consts = [c for c in (region_constant(region, v) for v in last.args) if c is not None] \
+        if op_name(last) == "relax.multiply" else []
+    if len(consts) != 1:
+        raise EdgeTVMError(f"RMSNorm region {region.index}: its weight is not the one "
+                           f"constant its last multiply reads")
+    return _per_column(consts[0], h, "RMSNorm weight")
 
 
 def layer_norm_params(region) -> tuple:
@@ -341,22 +341,15 @@ def _decomposed_layer_norm_params(region, defs) -> tuple:
         outer = [a for a in value.args if a not in defs]
         if len(inner) != 1 or len(outer) != 1:
             raise ValueError(f"layer norm {key}: not one constant operand")
-        vec = np.asarray(_constant(region, outer[0]), np.float32).reshape(-1)
+        const = region_constant(region, outer[0])
+        if const is None:
+            raise ValueError(f"layer norm {key}: not a constant")
+        vec = np.asarray(const, np.float32).reshape(-1)
         if vec.size not in (1, h):
             raise ValueError(f"layer norm {key} of {vec.size} values for {h} columns")
         params[key] = np.broadcast_to(vec, (h,))
         value = defs[inner[0]]
     return params["gamma"], params["beta"], eps
-
-
-def _constant(region, expr):
-    """The value of a region parameter bound to a constant, or of a constant."""
-    i = param_index(region.func, expr)
-    if i is not None and region.args[i] is not None:
-        return region.args[i]
-    if isinstance(expr, tvm.ir.expr.Constant):
-        return expr.data.numpy()
-    raise ValueError("not a constant")
 
 
 def passthrough_outputs(func) -> list | None:

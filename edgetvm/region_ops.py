@@ -117,18 +117,21 @@ def activation_input(region):
         if op_name(value) in ACTIVATION_OPS:
             x = value.args[0]
             while x in defs and op_name(defs[x]) in ("relax.divide", "relax.multiply") and \
-                    _is_constant(region, defs[x].args[1]):
+                    region_constant(region, defs[x].args[1]) is not None:
                 x = defs[x].args[0]
             return x
     raise ValueError("no activation op in the region")
 
 
-def _is_constant(region, expr) -> bool:
-    """Is ``expr`` a constant: inline, or a region parameter bound to one?"""
-    if isinstance(expr, tvm.ir.expr.Constant):
-        return True
+def region_constant(region, expr):
+    """The value of a region parameter bound to a constant, or of a constant; None for
+    anything else."""
     i = param_index(region.func, expr)
-    return i is not None and region.args[i] is not None
+    if i is not None and region.args[i] is not None:
+        return region.args[i]
+    if isinstance(expr, tvm.ir.expr.Constant):
+        return expr.data.numpy()
+    return None
 
 
 def unpack_uint4_zero_points(packed: np.ndarray, blocks: int) -> np.ndarray:

@@ -340,7 +340,7 @@ def _reference_runner(args):
         runner = onnxruntime_runner(path)
     except Exception as e:             # onnxruntime's own errors have no common base
         raise EdgeTVMError(f"--check-onnx {path}: onnxruntime cannot load it: "
-                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+                           f"{_first_line(e)}") \
             from None
     return runner, KVSpec.of(path)
 
@@ -374,12 +374,17 @@ def _quantized_reference(args, reference, quantize, w4_linears):
         runner = onnxruntime_runner(model.SerializeToString())
     except Exception as e:             # onnxruntime's own errors have no common base
         print(f"check-onnx: onnxruntime cannot run the quantized copy ("
-              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); comparing with "
+              f"{_first_line(e)}); comparing with "
               f"{path}'s own float weights", flush=True)
         return reference, "float"
     print(f"check-onnx: the reference is {path} with its {made} quantized linears as "
           f"onnxruntime MatMulNBits holding the program's 4-bit codes", flush=True)
     return (runner, reference[1]), "w4"
+
+
+def _first_line(exc: Exception) -> str:
+    """An onnxruntime error for one line: its message's first, or its type's name."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _check_vocab(vocab_of, theirs, args) -> None:
