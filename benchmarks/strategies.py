@@ -4,9 +4,9 @@ For SmolLM2-135M on ``edge-npu-16mb``, each fusion strategy's partition is compi
 one static program per case and run on the emulator under each power profile:
 
 * scope ``model``: the whole forward pass (the program ``edgetvm.build`` ships);
-* scope ``layer``: one decoder layer's ops (those from layer 0's KV append up to layer
-  1's: attention, O projection, MLP, and the next layer's norm, QKV and RoPE), linked and
-  run alone;
+* scope ``layer``: one decoder layer's ops (those from layer 0's attention up to layer
+  1's: attention, O projection, MLP, and the next layer's norm, QKV and RoPE, which store
+  the new K and V into its pages), linked and run alone;
 
 at prefill 128, prefill 512 (from position 0) and decode at KV 1024 (1,024 cached tokens,
 1 new). Per row: DRAM bytes, latency, energy, peak windowed power, throttled cycles, the
@@ -71,11 +71,13 @@ def find_model() -> Path | None:
 
 
 def layer_slice(graph):
-    """Indices of one layer's ops: from layer 0's KV append to layer 1's."""
-    appends = [i for i, op in enumerate(graph.ops) if op.kind == "kv_append"]
-    if len(appends) < 2:
+    """Indices of one layer's ops: from layer 0's attention to layer 1's (the new K and V
+    go straight into the pages, ``edgetvm/build/kv_pages.py``: no KV append kernel marks
+    a layer's start)."""
+    attentions = [i for i, op in enumerate(graph.ops) if op.kind == "attention"]
+    if len(attentions) < 2:
         raise SystemExit("the model has fewer than two layers: no layer scope")
-    return appends[0], appends[1]
+    return attentions[0], attentions[1]
 
 
 def sub_graph(graph, lo: int, hi: int):

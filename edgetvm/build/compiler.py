@@ -31,6 +31,7 @@ from .cuts import apply_cuts
 from .graph import (BuildError, PositionTableError, SlidingWindowError, add_alibi_slopes,
                     extract_phase_graph)
 from .kernels import KernelBuilder
+from .kv_pages import fold_kv_appends
 from .link import Linker, plan_dram
 from .positions import evaluate_positions, position_limit, position_lookups
 
@@ -173,6 +174,7 @@ class ModelCompiler:
         if self.layout is None:
             self.layout = KVCacheLayout(g.kv_heads, g.head_dim, self.num_pages, PAGE_TOKENS)
             self.kernels = KernelBuilder(self.spec, self.layout, knobs_for=self.knobs_for)
+        fold_kv_appends(g, self.layout)
         self._graphs[key] = g
         return g
 

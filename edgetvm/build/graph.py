@@ -81,13 +81,16 @@ class Tensor:
     position: in the pack too), ``state`` (the KV cache pages), ``output`` (returned),
     ``host`` (read or written by a host op: a DRAM tensor of its own, not in the arena),
     ``padded`` (an activation widened to whole quantization groups: a tensor of its own
-    whose padding columns stay zero)."""
+    whose padding columns stay zero), ``kv_pages`` (every value a layer's new K or V,
+    which its producers store into the KV cache pages only: ``kv_pages.py``; an activation
+    with some such values, a fused QKV projection's, has ``pages`` too)."""
 
     name: str
     shape: tuple
     dtype: str = F16
     kind: str = "activation"
     data: np.ndarray | None = field(default=None, repr=False)
+    pages: object = None             # where its new K/V values go: a kv_pages.Paging
 
     @property
     def size(self) -> int:

@@ -35,6 +35,7 @@ from edgetvm.tir_schedules.kv_cache import (KV_APPEND_LOWERING, KV_APPEND_PAGES_
 from edgetvm.tir_schedules.workloads import embedding as embedding_workload
 
 from .graph import BuildError, PhaseGraph
+from .kv_pages import KV_PAGES
 
 
 @dataclass
@@ -98,7 +99,7 @@ def stage_cluster(graph: PhaseGraph, group, consumers=None) -> tuple:
         whole = out.is_whole(graph.tensors[out.tensor].shape)
         if whole:
             produced[out.tensor] = local
-        if not whole or graph.tensors[out.tensor].kind == "output" or \
+        if not whole or graph.tensors[out.tensor].kind in ("output", KV_PAGES) or \
                 any(c not in members for c in consumers.get(out.tensor, ())):
             outputs.append(local)
             bind[local] = out

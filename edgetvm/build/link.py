@@ -11,7 +11,8 @@ Every kernel was lowered position-independent, over its own tensor names. Linkin
   views: a reshape, a head transpose, a column slice of a fused projection is an address
   pattern here. A window whose rows do not map to one stride (or whose columns are not
   contiguous in the target) is split into as many DMAs as it takes, each paying its own
-  set-up: the emulator charges what the layout costs;
+  set-up: the emulator charges what the layout costs; a layer's new K and V go through
+  the page table into the KV cache pages (``kv_pages.py``: no append kernel);
 * renumbers events and puts a ``Launch`` (all units idle, then the kernel's set-up cost)
   before every kernel.
 """
@@ -24,9 +25,10 @@ import numpy as np
 
 from edgetvm.target.builder import ProgramBuilder
 from edgetvm.target.isa import (Affine, DmaLoad, DmaStore, DramRef, End, HostOp, Launch,
-                                TcmRef, as_affine)
+                                TcmRef, as_affine, predicates)
 
 from .graph import BuildError, PhaseGraph
+from .kv_pages import KV_PAGES, relocate_paged, token_rows
 from .views import View, contiguous_strides
 
 ARENA = "act"
@@ -90,15 +92,6 @@ def _run_length(view: View) -> int:
     return run
 
 
-def _targets(view: View, flat: np.ndarray) -> np.ndarray:
-    """Static memory offsets of the view's row-major elements ``flat``."""
-    idx = np.unravel_index(flat, view.shape) if view.ndim else ()
-    out = np.full(flat.shape, view.offset.const, np.int64)
-    for i, s in zip(idx, view.strides):
-        out += i.astype(np.int64) * s
-    return out
-
-
 def relocate_window(ref: DramRef, view: View, tensor: str, base: int) -> list:
     """The DMA windows of ``tensor`` (at element ``base``) that the window ``ref`` of a
     kernel tensor bound to ``view`` covers: ``[(DramRef, row0, rows, col0, cols)]`` with the
@@ -128,7 +121,7 @@ def relocate_window(ref: DramRef, view: View, tensor: str, base: int) -> list:
                        relocate_window(row, view, tensor, base)]
         return pieces
     for c0, n in segments:
-        t = _targets(view, starts + c0) + base
+        t = view.offsets(starts + c0) + base
         r0 = 0
         while r0 < rows:                              # maximal runs of one row stride
             r1 = r0 + 1
@@ -156,17 +149,20 @@ def _value(a: Affine):
 
 def _split_dma(cmd, pieces: list) -> list:
     """``cmd`` (a load or store) as one command per relocated piece; the first keeps the
-    waits, the last the signals."""
+    waits, the last the signals; a piece's own predicate (a sixth field, ``kv_pages``'
+    per-token slots) joins the command's."""
     load = isinstance(cmd, DmaLoad)
     tcm = cmd.dst if load else cmd.src
     if len(pieces) > 1 and cmd.valid_rows is not None:
         raise BuildError("a DMA with a runtime row count maps to a strided layout; it would "
                          "need a copy")
     out = []
-    for k, (dram, r0, n, c0, m) in enumerate(pieces):
+    for k, (dram, r0, n, c0, m, *when) in enumerate(pieces):
         sub = tcm.rows(r0, n).cols(c0, m) if (r0, n, c0, m) != (0, tcm.shape[0], 0,
                                                                 tcm.shape[1]) else tcm
         fields = {"dst": sub, "src": dram} if load else {"src": sub, "dst": dram}
+        if when and when[0] is not None:              # a piece of its own predicate
+            fields["when"] = predicates(cmd.when) + (when[0],)
         fields["wait"] = cmd.wait if k == 0 else ()
         fields["signal"] = cmd.signal if k == len(pieces) - 1 else ()
         out.append(dataclasses.replace(cmd, **fields))
@@ -213,10 +209,11 @@ class Linker:
 
     def add(self, kernel) -> None:
         prog = kernel.program
-        local = self._bind(kernel)
+        local, paged = self._bind(kernel)
         shift = self.events
         tcm_base, prefetch = self._tcm_base(prog.tcm_bytes)
         hoisted, body = [], []
+        names: set = set()                # the page table entries paged stores address
         blocked = set()                   # DMA channels with a command left in the body
         edits, first_weights, extra_events = ({}, {}, 0) if not prefetch else \
             _unblock_first_weights(prog)
@@ -236,6 +233,10 @@ class Linker:
             out = body
             if isinstance(cmd, (DmaLoad, DmaStore)):
                 ref = cmd.src if isinstance(cmd, DmaLoad) else cmd.dst
+                paging = paged.get(ref.tensor)
+                if paging is not None:
+                    cmd = token_rows(cmd, prog.tensors[ref.tensor].shape[-1])
+                    ref = cmd.src if isinstance(cmd, DmaLoad) else cmd.dst
                 view, tensor, base = local[ref.tensor]
                 # only a prefix of each channel's queue: a load may be ordered after an
                 # earlier one by the channel's FIFO alone (one event for both)
@@ -249,7 +250,15 @@ class Linker:
                     pass                  # passed by the channel's first weights: own event
                 else:
                     blocked.add(cmd.channel)
-                out.extend(_split_dma(cmd, relocate_window(ref, view, tensor, base)))
+                if paging is None:
+                    pieces = relocate_window(ref, view, tensor, base)
+                else:
+                    pieces = relocate_paged(
+                        ref, view, paging, None if tensor is None else
+                        (lambda w, v=view, t=tensor, b=base: relocate_window(w, v, t, b)))
+                    names.update(n for d, *_, w in pieces
+                                 for v in (d.offset, w or 0) for n in as_affine(v).names())
+                out.extend(_split_dma(cmd, pieces))
             else:
                 out.append(cmd)
         for c in hoisted:                 # still the previous kernel's stretch of time
@@ -263,23 +272,34 @@ class Linker:
         for p in prog.params:
             if p not in self.params:
                 self.params.append(p)
-        for v in kernel.bindings.values():
-            for p in v.offset.names():
-                if p not in self.params:
-                    self.params.append(p)
+        for p in [*(p for v in kernel.bindings.values() for p in v.offset.names()),
+                  *sorted(names)]:
+            if p not in self.params:
+                self.params.append(p)
 
-    def _bind(self, kernel) -> dict:
-        """local DRAM name -> (view, program tensor, base offset), declaring the tensors."""
+    def _bind(self, kernel) -> tuple:
+        """``(local, paged)``: local DRAM name -> (view, program tensor, base offset), and
+        -> the :class:`~.kv_pages.Paging` of a name bound to a tensor with new K/V values;
+        declaring the tensors."""
         prog = kernel.program
-        local = {}
+        local, paged = {}, {}
         for name, t in prog.tensors.items():
             if name in kernel.bindings:
                 v = kernel.bindings[name]
                 g = self.graph.tensors[v.tensor]
-                tensor, base = self.plan.place[v.tensor]
                 if v.size != int(np.prod(t.shape)):
                     raise BuildError(f"kernel {kernel.name}: {name} {t.shape} bound to a view "
                                      f"of {v.size} elements")
+                if g.pages is not None:
+                    paged[name] = g.pages
+                    for target in g.pages.targets:
+                        if target.state not in self.builder.tensors:
+                            self.builder.tensor(target.state, target.layout.shape, "float16",
+                                                "state")
+                if g.kind == KV_PAGES:                 # no arena slot: every value is paged
+                    local[name] = (v, None, 0)
+                    continue
+                tensor, base = self.plan.place[v.tensor]
                 local[name] = (v, tensor, base)
                 self._declare(tensor, g)
             elif name in kernel.state:
@@ -303,7 +323,7 @@ class Linker:
                 local[name] = (View.whole(glob, t.shape), glob, 0)
             else:
                 raise BuildError(f"kernel {kernel.name}: tensor {name} ({t.kind}) is not bound")
-        return local
+        return local, paged
 
     def _declare(self, tensor: str, g) -> None:
         if tensor in self.builder.tensors:

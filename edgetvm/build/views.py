@@ -125,6 +125,16 @@ class View:
             out += idx.reshape([-1 if a == axis else 1 for a in range(self.ndim)])
         return out
 
+    def offsets(self, flat: np.ndarray) -> np.ndarray:
+        """Static memory offsets of the view's row-major elements ``flat`` (indices into
+        the view, any shape)."""
+        flat = np.asarray(flat, np.int64)
+        idx = np.unravel_index(flat, self.shape) if self.ndim else ()
+        out = np.full(flat.shape, self.offset.const, np.int64)
+        for i, s in zip(idx, self.strides):
+            out += i.astype(np.int64) * s
+        return out
+
     def gather(self, flat: np.ndarray, params=None) -> np.ndarray:
         """The view's elements out of ``flat`` (the DRAM tensor, flattened)."""
         shift = self.offset.eval(params or {}) - self.offset.const

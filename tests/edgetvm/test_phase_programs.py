@@ -85,6 +85,32 @@ def test_every_family_token_exact_with_region_kernels(family):
     assert all(r.npu_cycles > 0 and r.dram_read_bytes > 0 for r in recs)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_token_exact_with_k_and_v_stored_into_the_pages(family):
+    """A 13-token prompt runs in the 16-row bucket, whole pages: the kernels that make the
+    new K and V (a projection, a RoPE, a fused QKV's columns) store them into the pages,
+    as the decode steps do at their slots (``edgetvm/build/kv_pages.py``); no append kernel
+    runs. The pages come from a shuffled pool and the cache crosses a page boundary."""
+    mc = _compiler(family, "regions")
+    for key in (("prefill", 16, 1), ("decode", 1, 2)):
+        names = [k["name"] for k in mc.program(*key).metadata["kernels"]]
+        assert not any("kv_append" in n for n in names), (family, key, names)
+    recs = _check(family, "regions", prompt=PROMPT * 3 + [11])
+    assert recs[0].past == 0 and recs[1].past == 13
+
+
+@pytest.mark.parametrize("family", CUT_FAMILIES)
+def test_chunks_of_per_token_slots_store_their_real_tokens_only(family):
+    """Chunks of 3 in 4-row programs (not whole pages): every token stored at its own
+    slot by the kernels that make K and V, predicated on the chunk's real tokens; the
+    last chunk holds one, its three padding rows' slots are that token's."""
+    mc = _compiler(family, "regions")
+    names = [k["name"] for k in mc.program("prefill", 4, 1).metadata["kernels"]]
+    assert not any("kv_append" in n for n in names), (family, names)
+    recs = _check(family, "regions", chunk=3, prompt=PROMPT * 3 + [11])
+    assert [r.past for r in recs[:6]] == [0, 3, 6, 9, 12, 13]
+
+
 def test_a_position_table_read_at_an_offset_bounds_the_kv_cache():
     """OPT (and BioGPT) look position ``p`` up at row ``p + 2`` of their table: the tiny
     OPT's 258 rows address 256 positions. The capacity was the table's rows, so the build
