@@ -196,7 +196,7 @@ def _activation_stage(attrs, gate: str, up: str | None, out: str) -> Stage:
                            f"activation")
     approx = {"approximate": "tanh" if act == "gelu_tanh" else "none"}
     if act in ("relu", "relu2"):
-        return Stage(act, (gate,), out)
+        return Stage(act if up is None else f"{act}_mul", (gate,) + ((up,) if up else ()), out)
     if up is None:
         return Stage("gelu", (gate,), out, approx)
     if act == "silu":
@@ -435,9 +435,22 @@ def _offloadable(region) -> bool:
 
 def _has_activation_kernel(act, gated: bool) -> bool:
     """Is there an NPU stage for activation ``act`` (:func:`_activation_stage`)? SiLU only
-    gated (SwiGLU), ReLU and squared ReLU only ungated, GELU either way."""
-    return act in ("gelu", "gelu_tanh") or (act == "silu" and gated) or \
-        (act in ("relu", "relu2") and not gated)
+    gated (SwiGLU), GELU, ReLU and squared ReLU either way."""
+    return act in ("gelu", "gelu_tanh", "relu", "relu2") or (act == "silu" and gated)
+
+
+def missing_activation_kernel(attrs) -> str:
+    """What an activation or MLP region with these attributes lacks for an NPU kernel
+    (its activation has no stage of the gating it needs), or ''."""
+    act = attrs.get("edgetvm.activation")
+    if act is None:
+        return ""
+    act, gated = str(act), str(attrs.get("edgetvm.gated", "")) == "1"
+    if _has_activation_kernel(act, gated):
+        return ""
+    return (f"its {'gated' if gated else 'ungated'} {act!r} activation has no NPU kernel "
+            f"(gated: silu, gelu, gelu_tanh, relu, relu2; ungated: gelu, gelu_tanh, relu, "
+            f"relu2)")
 
 
 def _tensor_inputs(region) -> int:

@@ -25,8 +25,8 @@ from __future__ import annotations
 STRATEGIES = ("op-library", "regions", "local", "mega", "edgellm")
 
 #: stage ops that only map elements (fusable into the op producing their input)
-ELEMENTWISE = {"bias_add", "add", "silu_mul", "gelu_mul", "gelu", "scale", "copy", "rope",
-               "mul_vec"}
+ELEMENTWISE = {"bias_add", "add", "silu_mul", "gelu_mul", "relu_mul", "relu2_mul", "gelu",
+               "scale", "copy", "rope", "mul_vec"}
 
 
 def _fusable(graph, i) -> bool:

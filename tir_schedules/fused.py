@@ -80,6 +80,8 @@ PIECES = {
     "relu": W.relu_te,
     "relu2": W.relu2_te,
     "gelu_mul": W.gelu_mul_te,
+    "relu_mul": W.relu_mul_te,
+    "relu2_mul": W.relu2_mul_te,
     "bias_add": W.bias_add_te,
     "mul_vec": W.mul_vec_te,
     "softmax": W.softmax_te,

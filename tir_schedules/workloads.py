@@ -203,6 +203,24 @@ def relu2_te(x, name: str = "relu2"):
                       attrs=_op("vector:mul"))
 
 
+def relu_mul_te(g, u, name: str = "relu_mul", squared: bool = False):
+    """``relu(g) * u`` (a ReGLU MLP), or with ``squared`` ``relu(g) ** 2 * u`` (BitNet's
+    gated squared ReLU): a vector ``max`` with the immediate 0, the square's ``mul``, the
+    product's ``mul``; fp32 between the ops."""
+    m, n = (int(s) for s in g.shape)
+    r = te.compute((m, n), lambda i, j: tirx.max(g[i, j].astype(F32), tirx.const(0.0, F32)),
+                   name=f"{name}_relu", attrs=_op("vector:max"))
+    a = r if not squared else te.compute((m, n), lambda i, j: r[i, j] * r[i, j],
+                                         name=f"{name}_square", attrs=_op("vector:mul"))
+    return te.compute((m, n), lambda i, j: (a[i, j] * u[i, j].astype(F32)).astype(g.dtype),
+                      name=name, attrs=_op("vector:mul"))
+
+
+def relu2_mul_te(g, u, name: str = "relu2_mul"):
+    """``relu(g) ** 2 * u``: :func:`relu_mul_te` squared."""
+    return relu_mul_te(g, u, name, squared=True)
+
+
 def gelu_mul_te(g, u, approximate: str = "none", name: str = "gelu_mul"):
     """``gelu(g) * u`` (GeGLU, Gemma's gated MLP); fp32 between the two ops."""
     m, n = (int(s) for s in g.shape)

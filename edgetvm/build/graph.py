@@ -27,6 +27,7 @@ error naming the op, never silently run somewhere it cannot be.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +35,8 @@ import tvm
 from tvm import relax
 
 from edgetvm.errors import EdgeTVMError
-from edgetvm.npu_regions import build_cluster, keeps_heads, passthrough_outputs
+from edgetvm.npu_regions import (build_cluster, keeps_heads, missing_activation_kernel,
+                                  passthrough_outputs)
 from edgetvm.region_ops import (activation_input, attention_roles, op_name, param_index,
                                 past_input, rope_dims, rope_heads_axis, rope_roles,
                                 rope_stage_attrs)
@@ -165,6 +167,11 @@ class PhaseGraph:
         return out
 
 
+#: the end of a refusal of what the phase program cannot run
+_REFERENCE_CAN = ("the phase program cannot run it (the region-by-region reference path "
+                  "can: python -m edgetvm.run model.onnx --reference)")
+
+
 # -- abstract values ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Dev:
@@ -232,6 +239,7 @@ class _Extractor:
         self.kv_layout = None
         self.attention_layers: list = []
         self.host_notes: list = []
+        self._region_nodes = None            # ONNX node -> regions whose function names it
         self.dims = self._bind_dims()
         self.defs = {b.var: b.value for blk in self.main.body.blocks for b in blk.bindings}
 
@@ -504,15 +512,22 @@ class _Extractor:
         if isinstance(op, relax.GlobalVar):   # a recognised region no NPU kernel takes
             func = self.mod[op]
             kind = str((func.attrs or {}).get("Composite", "")).removeprefix("edgetvm.")
-            name = f"a {kind} region" if kind else op.name_hint
-            where = next((_onnx_node(b.value) for blk in func.body.blocks
-                          for b in blk.bindings if _onnx_node(b.value)), "")
+            name = f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} region" if kind else \
+                op.name_hint
+            where = self._region_where(var, func)
+            missing = missing_activation_kernel(func.attrs or {})
+            if missing:
+                raise BuildError(f"{var.name} = {name}({kinds}){where}: {missing}; " +
+                                 _REFERENCE_CAN)
         unrecognised = unrecognised_attention(self.defs, var)
+        kv = [a.layer for a in args if isinstance(a, KV)]
+        what = "host code on NPU data with no NPU kernel" if not kv or unrecognised else (
+            f"the model computes with {'the' if kv[0] < 0 else f'layer {kv[0]}'}'s KV cache "
+            f"outside attention (a bias or mask computed from the cache, values split or "
+            f"tiled before the attention): on the NPU the cache is pages only the attention "
+            f"kernel reads")
         raise BuildError((f"{unrecognised}; it stopped at " if unrecognised else "") +
-                         f"{var.name} = {name}({kinds}){where}: host code on NPU "
-                         f"data with no NPU "
-                         f"kernel; the phase program cannot run it (the region-by-region "
-                         f"reference path can: python -m edgetvm.run model.onnx --reference)")
+                         f"{var.name} = {name}({kinds}){where}: {what}; " + _REFERENCE_CAN)
 
     # -- glue ---------------------------------------------------------------------------------
     def _glue(self, var, call, name, view: View):
@@ -762,11 +777,28 @@ class _Extractor:
         except BuildError as e:
             if type(e) is not BuildError or "ONNX node" in str(e):
                 raise
-            where = next((_onnx_node(b.value) for blk in region.func.body.blocks
-                          for b in blk.bindings if _onnx_node(b.value)), "")
+            where = self._region_where(var, region.func)
             raise BuildError(f"{e}{where}; the phase program cannot run this {kind} region "
                              f"(the region-by-region reference path can: python -m "
                              f"edgetvm.run model.onnx --reference)") from None
+
+    def _region_where(self, var, func) -> str:
+        """Where the region ``var`` calls is, for a message: the ONNX node its function
+        was made from, unless another region's function names the same node (regions of
+        one structure in every layer may carry the first layer's node names); then the
+        ONNX nodes that compute its inputs, which are its own layer's."""
+        node = _first_onnx_node(func)
+        if self._region_nodes is None:
+            self._region_nodes = Counter(_first_onnx_node(r.func)
+                                         for r in self.regions.values())
+        if node and self._region_nodes[node] == 1:
+            return node
+        call = self.defs.get(var)
+        inputs = [] if call is None else call.args[1:] if _is_packed_call(call) else call.args
+        names = [_onnx_node(self.defs.get(a)) for a in inputs
+                 if isinstance(a, relax.Var) and a in self.defs]
+        names = list(dict.fromkeys(n[len(" (ONNX node "):-1] for n in names if n))
+        return f" (reading ONNX node(s) {', '.join(names)})" if names else node
 
     def _result_shapes(self, var) -> list:
         ty = var.ty
@@ -1110,6 +1142,17 @@ def unrecognised_attention(defs: dict, var, reach: int = 80) -> str | None:
             f"q @ k^T{_onnx_node(defs[scores])} and its softmax"
             f"{_onnx_node(defs[softmax])} the model computes {', '.join(ops) or 'nothing'} "
             f"(the kernel takes one scaling, an added mask and a clamp at -1e4 or below)")
+
+
+def _first_onnx_node(func) -> str:
+    """:func:`_onnx_node` of the first binding of ``func`` that has one."""
+    return next((_onnx_node(b.value) for blk in func.body.blocks for b in blk.bindings
+                 if _onnx_node(b.value)), "")
+
+
+def _is_packed_call(call) -> bool:
+    return isinstance(getattr(call, "op", None), tvm.ir.Op) and \
+        call.op.name == "relax.call_pure_packed"
 
 
 def _onnx_node(value) -> str:

@@ -75,6 +75,7 @@ STAGE_VECTOR_OPS = {
     "rms_norm": ("mul", "reduce_sum", "mul", "mul"),
     "layer_norm": ("reduce_sum", "sub", "mul", "reduce_sum", "mul", "mul", "add"),
     "silu_mul": ("silu", "mul"), "gelu_mul": ("gelu", "mul"), "gelu": ("gelu",),
+    "relu_mul": ("max", "mul"), "relu2_mul": ("max", "mul", "mul"),
     "relu": ("max",), "relu2": ("max", "mul"), "rope": ("rope",), "add": ("add",), "bias_add": ("add",),
     "mul_vec": ("mul",), "scale": ("mul",), "copy": ("copy",),
     "softmax": ("reduce_max", "sub", "exp", "reduce_sum", "div"),

@@ -181,6 +181,108 @@ def test_a_mask_causal_only_at_the_first_step_is_refused(tmp_path):
             mc.program(*key)
 
 
+def _llama_activation(tmp_path, act: str, gated: bool):
+    """The tiny Llama with its SiLU (``x * sigmoid(x)``) made ``relu(x)`` (``relu``) or
+    ``relu(x) * relu(x)`` (``relu2``), or kept; ``gated=False``: the product with the up
+    projection dropped (the down projection reads the activation)."""
+    import onnx
+    model = onnx.load(str(_path("llama")))
+    rename, drop = {}, []                 # tensor -> the tensor read instead; nodes removed
+    for node in model.graph.node:
+        if "/mlp/" not in node.name:
+            continue
+        if act != "silu" and node.op_type == "Sigmoid":
+            node.op_type = "Relu"
+            node.input[:] = [node.input[0]]
+            relu = node.output[0]
+        elif act != "silu" and node.name.endswith("/mlp/act_fn/Mul"):
+            node.input[:] = [relu, relu]
+            if act == "relu":
+                drop.append(node)
+                rename[node.output[0]] = relu
+        elif not gated and node.name.endswith("/mlp/Mul"):
+            drop.append(node)
+            rename[node.output[0]] = node.input[0]
+    for node in drop:
+        model.graph.node.remove(node)
+    for node in model.graph.node:
+        node.input[:] = [rename.get(rename.get(i, i), rename.get(i, i)) for i in node.input]
+    path = tmp_path / f"llama_{act}_{'gated' if gated else 'ungated'}.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("act", ["relu", "relu2"])
+def test_gated_relu_mlps_token_exact(act, tmp_path):
+    """ReGLU and BitNet's gated squared ReLU (``relu(gate) ** 2 * up``), edited into the
+    tiny Llama's MLP: token-exact against onnxruntime per region and in mega clusters."""
+    path = _llama_activation(tmp_path, act, gated=True)
+    for strategy in ("regions", "mega"):
+        _check("llama", strategy, path=path)
+
+
+def test_an_activation_without_a_kernel_is_refused_naming_it(tmp_path):
+    """SiLU without a gate has no NPU stage: the refusal names the activation and its
+    gating, not just the node where the build stopped."""
+    from edgetvm.build.graph import BuildError
+    path = _llama_activation(tmp_path, "silu", gated=False)
+    with pytest.raises(BuildError, match=r"layers\.0/mlp/.*its ungated 'silu' "
+                                         r"activation has no NPU kernel"):
+        ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16).program("decode", 1, 1)
+
+
+def test_a_refused_region_is_located_in_its_own_layer(tmp_path):
+    """GPT-NeoX-Japanese adds its attention bias broadcast by an ``Expand`` to the
+    residual's runtime shape: the residual add reads a host value. The regions of every
+    layer share the first layer's node names, so the refusal named layer 0's add for a
+    region of layer 1. The edit: that bias added to the tiny Llama's layer-1 attention
+    output; the refusal names the node that computes the host input, in layer 1."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from edgetvm.build.graph import BuildError
+    model = onnx.load(str(_path("llama")))
+    add = next(n for n in model.graph.node if n.name == "/model/layers.1/Add")
+    residual, attention = add.input
+    model.graph.initializer.append(numpy_helper.from_array(np.full(64, 0.5, np.float32),
+                                                           "l1_dense_bias"))
+    at = list(model.graph.node).index(add)
+    for k, node in enumerate([
+            helper.make_node("Shape", [residual], ["l1_shape"], name="/l1/Shape"),
+            helper.make_node("Expand", ["l1_dense_bias", "l1_shape"], ["l1_bias"],
+                             name="/model/layers.1/Expand"),
+            helper.make_node("Add", [attention, "l1_bias"], ["l1_biased"], name="/l1/Add")]):
+        model.graph.node.insert(at + k, node)
+    add.input[1] = "l1_biased"
+    path = tmp_path / "llama_layer1_bias.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(BuildError, match=r"ONNX node\(s\) '/model/layers\.1/Expand'") as e:
+        ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16).program("decode", 1, 1)
+    assert "layers.0" not in str(e.value)
+
+
+def test_a_model_computing_on_its_kv_cache_outside_attention_is_refused_saying_so(tmp_path):
+    """Doge computes an attention bias from the value cache, DiffLlama splits and tiles
+    the values before its two attentions: on the NPU the cache is pages that only the
+    attention kernel reads. The refusal says that, where it named a transpose of "KV".
+    The edit: the tiny Llama's layer-0 values scaled before the attention reads them."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from edgetvm.build.graph import BuildError
+    model = onnx.load(str(_path("llama")))
+    use = next(n for n in model.graph.node if n.name == "/model/layers.0/self_attn/Unsqueeze_21")
+    model.graph.initializer.append(numpy_helper.from_array(np.array(1.5, np.float32), "s"))
+    model.graph.node.insert(list(model.graph.node).index(use), helper.make_node(
+        "Mul", ["present.0.value", "s"], ["v_scaled"], name="/model/layers.0/ScaleV"))
+    use.input[0] = "v_scaled"
+    path = tmp_path / "llama_values_scaled.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(BuildError, match=r"'/model/layers\.0/ScaleV'\): the model computes "
+                                         r"with layer 0's KV cache outside attention"):
+        ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16).program("decode", 1, 1)
+
+
 def test_a_model_with_host_code_on_npu_data_is_refused_not_miscompiled(tmp_path):
     # MPT's attention fills the hidden scores with finfo.min before its softmax; filled
     # with -1 instead, hidden keys still count, that is not attention the NPU kernel

@@ -467,3 +467,21 @@ def test_relu2_cluster():
     want = (r * r).astype(np.float16)
     assert (x < 0).any() and (want > 4).any()
     np.testing.assert_array_equal(res.outputs["y"], want)
+
+
+@pytest.mark.parametrize("op", ["relu_mul", "relu2_mul"])
+def test_gated_relu_clusters(op):
+    # ReGLU relu(g) * u and BitNet's relu(g)^2 * u: numpy from the definition, fp32 between
+    # the ops, rounded to fp16 once at the end
+    c = FusionCluster(op, {"g": ((6, 80), "float16"), "u": ((6, 80), "float16")},
+                      [Stage(op, ("g", "u"), "y")], ("y",), ())
+    rng = np.random.default_rng(6)
+    g = (rng.standard_normal((6, 80)) * 3).astype(np.float16)
+    u = (rng.standard_normal((6, 80)) * 2).astype(np.float16)
+    _, res = _run(c, {"g": g, "u": u}, tile_m=4, slots_in=2, slots_out=2, dma_split=1)
+    r = np.maximum(g.astype(np.float32), 0)
+    if op == "relu2_mul":
+        r = r * r
+    want = (r * u.astype(np.float32)).astype(np.float16)
+    assert (g < 0).any() and (np.abs(want) > 4).any()
+    np.testing.assert_array_equal(res.outputs["y"], want)
