@@ -61,8 +61,8 @@ class PageTarget:
 @dataclass(frozen=True)
 class Paging:
     """How a tensor with new K/V values (``tokens`` rows of them) is relocated: per column
-    of its ``width``-value rows, the index of the :class:`PageTarget` it goes to (-1: the arena), its KV head and
-    its place in the head."""
+    of its ``width``-value rows, the index of the :class:`PageTarget` it goes to (-1: the
+    arena), its KV head and its place in the head."""
 
     targets: tuple
     tokens: int                  # rows of the step
