@@ -105,17 +105,18 @@ def _random_vectors(model, biases: bool = True) -> None:
                 p.normal_(0.0, 0.2)
 
 
-def _llama_onnx_config(config):
-    """optimum's Llama config for ``config``, its KV heads read from the attention heads
-    (a multi-head family optimum-onnx 0.1 has no config for)."""
+def _llama_onnx_config(config, kv_heads: str = "num_attention_heads"):
+    """optimum's Llama config for ``config`` (a family optimum-onnx 0.1 has no config
+    for), its KV heads read from the config's ``kv_heads`` (default: the attention heads,
+    a multi-head family)."""
     from optimum.exporters.onnx.model_configs import LlamaOnnxConfig
     from optimum.utils import NormalizedTextConfig
 
-    class MultiHeadOnnxConfig(LlamaOnnxConfig):
+    class FamilyOnnxConfig(LlamaOnnxConfig):
         NORMALIZED_CONFIG_CLASS = NormalizedTextConfig.with_args(
-            num_key_value_heads="num_attention_heads", allow_new=True)
-    return MultiHeadOnnxConfig(config, task="text-generation", use_past=True,
-                               use_past_in_inputs=True)
+            num_key_value_heads=kv_heads, allow_new=True)
+    return FamilyOnnxConfig(config, task="text-generation", use_past=True,
+                            use_past_in_inputs=True)
 
 
 def export_granite(work):
@@ -354,6 +355,27 @@ def export_open_llama(work):
                      do_validation=False)
 
 
+def export_bitnet(work):
+    """BitNet (its float weights: transformers' model as it computes before any ternary
+    packing): a gated squared-ReLU MLP, ``relu(gate) ** 2 * up``, RMS-normalised
+    (``ffn_sub_norm``) before the down projection, and the attention output RMS-normalised
+    (``attn_sub_norm``) before the output projection; rotary, GQA (4 q / 2 kv heads);
+    random norm gains; exported with optimum's Llama config."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BitNetConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _random_vectors(model, biases=False)
+    _save_and_export(work, "bitnet", model,
+                     _llama_onnx_config(model.config, kv_heads="num_key_value_heads"),
+                     do_validation=False)
+
+
 def export_xglm(work):
     """XGLM: q scaled before its head split, attention on (batch * heads)-row 3-D tensors
     with the mask added to the scores reshaped back to 4-D and clamped by ``Max(scores,
@@ -445,6 +467,7 @@ def main(zoo):
     export_stablelm_qk(os.path.join(zoo, ".work"))
     export_modernbert_decoder(os.path.join(zoo, ".work"))
     export_open_llama(os.path.join(zoo, ".work"))
+    export_bitnet(os.path.join(zoo, ".work"))
     hf = os.path.join(zoo, ".work", "hf_llama")
     work = os.path.join(zoo, ".work", "test_models")
     os.makedirs(work, exist_ok=True)

@@ -155,6 +155,11 @@ IMPORTED = {
     # which the phase programs could not run)
     "open_llama": ({"rms_norm", "linear", "mlp", "lm_head", "attention", "kv_append",
                     "rope"}, "Einsum as a matmul"),
+    # not an import fix: BitNet's gated squared ReLU, relu(gate)^2 * up, had no NPU stage
+    # (squared ReLU was ungated only); with its ffn_sub_norm between the product and the
+    # down projection it is an activation region of two inputs, then a norm
+    "bitnet": ({"rms_norm", "linear", "activation", "lm_head", "attention", "kv_append",
+                "rope"}, ""),
 }
 
 
@@ -171,6 +176,8 @@ def test_family_that_needed_an_import_fix(family):
         assert Counter(r.kind for r in session.regions)["attention"] == 2
     if family == "stablelm_qk":   # per layer: its two norms, then one for q and one for k
         assert Counter(r.kind for r in session.regions)["layer_norm"] == 2 * 4 + 1
+    if family == "bitnet":        # per layer: input, attention-output, MLP and sub norms
+        assert Counter(r.kind for r in session.regions)["rms_norm"] == 2 * 4 + 1
     _check_against_reference(family, session)
 
 

@@ -30,7 +30,7 @@ NEW_TOKENS = 16               # 4 + 16 tokens: the cache crosses its first 16-to
 MAX_TOKENS = 128
 FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "gemma2",
             "gemma3", "falcon", "gptj", "cohere", "codegen", "mpt", "bloom", "nemotron",
-            "gpt_neo", "xglm", "stablelm_qk", "modernbert_decoder", "open_llama")
+            "gpt_neo", "xglm", "stablelm_qk", "modernbert_decoder", "open_llama", "bitnet")
 #: the families whose partitions op-library, local, by measured search (edgellm) and by
 #: random legal cuts are run too (the slowest tests of the suite: 5 to 15 s a family): one
 #: of each structure a cut can meet (GQA and SwiGLU, LayerNorm and learned positions, MQA
