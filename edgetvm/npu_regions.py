@@ -433,10 +433,15 @@ def _offloadable(region) -> bool:
     return False
 
 
+#: gated -> the activations with an NPU stage (:func:`_activation_stage`): SiLU only
+#: gated (SwiGLU), GELU, ReLU and squared ReLU either way
+ACTIVATION_STAGES = {True: ("silu", "gelu", "gelu_tanh", "relu", "relu2"),
+                     False: ("gelu", "gelu_tanh", "relu", "relu2")}
+
+
 def _has_activation_kernel(act, gated: bool) -> bool:
-    """Is there an NPU stage for activation ``act`` (:func:`_activation_stage`)? SiLU only
-    gated (SwiGLU), GELU, ReLU and squared ReLU either way."""
-    return act in ("gelu", "gelu_tanh", "relu", "relu2") or (act == "silu" and gated)
+    """Is there an NPU stage for activation ``act`` (:data:`ACTIVATION_STAGES`)?"""
+    return act in ACTIVATION_STAGES[bool(gated)]
 
 
 def missing_activation_kernel(attrs) -> str:
@@ -449,8 +454,8 @@ def missing_activation_kernel(attrs) -> str:
     if _has_activation_kernel(act, gated):
         return ""
     return (f"its {'gated' if gated else 'ungated'} {act!r} activation has no NPU kernel "
-            f"(gated: silu, gelu, gelu_tanh, relu, relu2; ungated: gelu, gelu_tanh, relu, "
-            f"relu2)")
+            f"(gated: {', '.join(ACTIVATION_STAGES[True])}; "
+            f"ungated: {', '.join(ACTIVATION_STAGES[False])})")
 
 
 def _tensor_inputs(region) -> int:

@@ -167,9 +167,11 @@ class PhaseGraph:
         return out
 
 
+#: where a refusal of the phase program sends the user
+_REFERENCE_PATH = ("the region-by-region reference path can: python -m edgetvm.run "
+                   "model.onnx --reference")
 #: the end of a refusal of what the phase program cannot run
-_REFERENCE_CAN = ("the phase program cannot run it (the region-by-region reference path "
-                  "can: python -m edgetvm.run model.onnx --reference)")
+_REFERENCE_CAN = f"the phase program cannot run it ({_REFERENCE_PATH})"
 
 
 # -- abstract values ---------------------------------------------------------------------
@@ -482,7 +484,7 @@ class _Extractor:
         if not isinstance(value, relax.Call):
             return Shape()
         op = value.op
-        if isinstance(op, tvm.ir.Op) and op.name == "relax.call_pure_packed":
+        if _is_packed_call(value):
             region = self.regions.get(str(value.args[0].global_symbol))
             if region is None:
                 raise BuildError(f"{var.name}: call to unknown packed function "
@@ -779,8 +781,7 @@ class _Extractor:
                 raise
             where = self._region_where(var, region.func)
             raise BuildError(f"{e}{where}; the phase program cannot run this {kind} region "
-                             f"(the region-by-region reference path can: python -m "
-                             f"edgetvm.run model.onnx --reference)") from None
+                             f"({_REFERENCE_PATH})") from None
 
     def _region_where(self, var, func) -> str:
         """Where the region ``var`` calls is, for a message: the ONNX node its function
@@ -795,9 +796,9 @@ class _Extractor:
             return node
         call = self.defs.get(var)
         inputs = [] if call is None else call.args[1:] if _is_packed_call(call) else call.args
-        names = [_onnx_node(self.defs.get(a)) for a in inputs
+        names = [_onnx_name(self.defs.get(a)) for a in inputs
                  if isinstance(a, relax.Var) and a in self.defs]
-        names = list(dict.fromkeys(n[len(" (ONNX node "):-1] for n in names if n))
+        names = list(dict.fromkeys(repr(n) for n in names if n))
         return f" (reading ONNX node(s) {', '.join(names)})" if names else node
 
     def _result_shapes(self, var) -> list:
@@ -1155,12 +1156,17 @@ def _is_packed_call(call) -> bool:
         call.op.name == "relax.call_pure_packed"
 
 
-def _onnx_node(value) -> str:
-    """`` (ONNX node 'NAME')`` for a call the importer converted from a named node (its
-    span, ``EdgeONNXImporter``), else ``""``."""
+def _onnx_name(value) -> str:
+    """The name of the ONNX node the importer converted a call from (its span,
+    ``EdgeONNXImporter``), else ``""``."""
     span = getattr(value, "span", None)
     source = getattr(span, "source_name", None) if span is not None else None
-    name = getattr(source, "name", "") if source is not None else ""
+    return getattr(source, "name", "") if source is not None else ""
+
+
+def _onnx_node(value) -> str:
+    """`` (ONNX node 'NAME')`` for a call converted from a named node, else ``""``."""
+    name = _onnx_name(value)
     return f" (ONNX node {name!r})" if name else ""
 
 

@@ -35,7 +35,7 @@ from edgetvm.tir_schedules.kv_cache import (KV_APPEND_LOWERING, KV_APPEND_PAGES_
 from edgetvm.tir_schedules.workloads import embedding as embedding_workload
 
 from .graph import BuildError, PhaseGraph
-from .kv_pages import KV_PAGES
+from .kv_pages import KV_PAGES, append_mode
 
 
 @dataclass
@@ -276,7 +276,7 @@ class KernelBuilder:
             raise CandidateRejected("a KV append has no knobs")
         rows = op.inputs["k_new"].shape[0]
         pt = self.layout.page_tokens
-        if graph.phase == "prefill" and rows % pt == 0:
+        if append_mode(graph, self.layout) == "pages":
             key = ("kv_append_pages", rows // pt)
 
             def build(_):

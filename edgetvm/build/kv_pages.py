@@ -73,8 +73,9 @@ class Paging:
 
 
 def append_mode(graph: PhaseGraph, layout: KVCacheLayout) -> str:
-    """How the producers of ``graph``'s new K/V address the pages (the append kernel's
-    choice, ``KernelBuilder._kv_append``)."""
+    """How ``graph``'s new K/V are addressed in the pages, by their producers or by an
+    append kernel (``KernelBuilder._kv_append``): ``pages`` (whole pages of a prefill
+    chunk at a page boundary) or ``slots`` (one slot per token)."""
     if graph.phase == "prefill" and graph.rows % layout.page_tokens == 0:
         return "pages"
     return "slots"

@@ -293,9 +293,7 @@ class Linker:
                 if g.pages is not None:
                     paged[name] = g.pages
                     for target in g.pages.targets:
-                        if target.state not in self.builder.tensors:
-                            self.builder.tensor(target.state, target.layout.shape, "float16",
-                                                "state")
+                        self._state(target.state, target.layout.shape, "float16")
                 if g.kind == KV_PAGES:                 # no arena slot: every value is paged
                     local[name] = (v, None, 0)
                     continue
@@ -304,8 +302,7 @@ class Linker:
                 self._declare(tensor, g)
             elif name in kernel.state:
                 glob = kernel.state[name]
-                if glob not in self.builder.tensors:
-                    self.builder.tensor(glob, t.shape, t.dtype, "state")
+                self._state(glob, t.shape, t.dtype)
                 local[name] = (View.whole(glob, t.shape), glob, 0)
             elif t.kind == "const" and name in prog.metadata.get("template_consts", ()):
                 # a template's own constant (a column of ones): one pack tensor per value,
@@ -324,6 +321,11 @@ class Linker:
             else:
                 raise BuildError(f"kernel {kernel.name}: tensor {name} ({t.kind}) is not bound")
         return local, paged
+
+    def _state(self, name: str, shape, dtype: str) -> None:
+        """Declare a KV cache state tensor, once however many kernels use it."""
+        if name not in self.builder.tensors:
+            self.builder.tensor(name, shape, dtype, "state")
 
     def _declare(self, tensor: str, g) -> None:
         if tensor in self.builder.tensors:

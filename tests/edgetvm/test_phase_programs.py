@@ -205,8 +205,12 @@ def _llama_activation(tmp_path, act: str, gated: bool):
             rename[node.output[0]] = node.input[0]
     for node in drop:
         model.graph.node.remove(node)
+    def read(name):                       # a dropped node's output: what it passed on
+        while name in rename:
+            name = rename[name]
+        return name
     for node in model.graph.node:
-        node.input[:] = [rename.get(rename.get(i, i), rename.get(i, i)) for i in node.input]
+        node.input[:] = [read(i) for i in node.input]
     path = tmp_path / f"llama_{act}_{'gated' if gated else 'ungated'}.onnx"
     onnx.save(model, str(path))
     return path
