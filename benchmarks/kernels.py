@@ -136,7 +136,7 @@ def _attention_bench(model, heads, tokens, rng, prefill: bool, spec) -> Bench:
     if prefill:
         space = {"tile_q": [t for t in (32, 64, 128) if t <= tokens], "tile_kv": kv_tiles,
                  "slots_kv": [1, 2], "slots_s": [1, 2], "rowsum_mma": [0, 1],
-                 "list_schedule": [0, 1]}
+                 "list_schedule": [0, 1], "two_pass": [0, 1]}
         macs = hq * d * tokens * (tokens + 1)          # QK^T and PV below the diagonal
 
         def build(kn):

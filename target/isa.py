@@ -83,6 +83,7 @@ VECTOR_OP_ARITY = {
     "add": 2, "sub": 2, "mul": 2, "max": 2, "div": 2,  # elementwise, broadcasting 2nd operand
     "reduce_max": 1, "reduce_sum": 1,                 # along cols: (R, C) -> (R, 1)
     "exp": 1, "rsqrt": 1, "silu": 1, "gelu": 1,       # unary; rsqrt(x + imm), exp(x * imm)
+    "exp_sub": 2,                                     # exp((x - y) * imm), y broadcasting
     "gelu_tanh": 1,                                   # GELU, erf form / tanh approximation
     "cast": 1, "copy": 1,
     "rope": 3,                                        # x*cos + rotate_half(x)*sin, (x, cos, sin)

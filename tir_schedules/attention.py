@@ -49,6 +49,31 @@ score's four vector passes (mask, max, subtract, exp: 8 of 64-lane cycles). Smol
 chunked prefill at 512 rows, tile_q = tile_kv = 128: 280,084 -> 274,552 cycles with the
 masks on the diagonal only (vector busy 201,744 -> 187,920), -> 250,008 pipelined.
 
+Prefill can instead take two passes over a q tile's KV tiles (knob ``two_pass``), where
+the TCM holds the q tile's scores over the whole cache (``S``: the tile's rows x the
+cache's positions, fp32, for each head of the group: 393 KB for SmolLM2 at ``tile_q`` 64
+and 512 positions):
+
+    pass 1, for kv tile t:  load K; S[:, t] = Q @ K^T; mask; m = max(m, rowmax(S[:, t]))
+    pass 2, for kv tile t:  load V; P = exp((S[:, t] - m) * scale)     (one ``exp_sub``)
+                            l (+)= rowsum(P); O (+)= P @ V
+    out = O * (1 / l)
+
+With the row's final max known before any exponent, nothing is rescaled: no correction
+exponent, no ``O * c`` pass over the output per tile (its TCM read and write), no
+``l * c``, and the shift and the exponent are one vector command (``exp_sub``: the
+difference stays in the vector registers, the TCM sees the scores and P only). P has two
+slots, so the exponents of tile t + 1 run while the MMAs of tile t read P. K and V stay in
+the TCM for every q tile of the head (one instance per KV head): a KV tile is loaded once,
+by the first q tile it is live for (whole prompt: a compile-time condition; chunked: a
+runtime predicate on ``pos``), where the one-pass loop loads it again for every q tile. K
+loads in the first pass and V in the second, each on every DMA channel. SmolLM2's
+prefill-512 attention (``tile_q`` = ``tile_kv`` = 64, list-scheduled, ``performance``):
+229.5 k -> 177.3 k cycles, 542 -> 425 uJ (TCM 243 -> 182 uJ, DRAM 94 -> 50 uJ). It needs
+the scores, K and V of the whole cache in the TCM, so at long capacities the one-pass
+loop above is the one that fits; the default takes two passes where they (two slots
+each) take at most a quarter of the TCM.
+
 Decode swaps the two outer loops: ``for kv tile t`` outside, ``for kv head h`` inside, so
 a tile's pages are loaded for all KV heads at once, one DMA per page for every head (a
 page holds its heads' blocks back to back: one contiguous read, landing in each head's
@@ -80,7 +105,8 @@ equal at SmolLM2's shapes; in prefill 2 is the software pipeline above, 1 the pl
 in less TCM); prefill adds ``tile_q`` and
 ``rowsum_mma`` (1: the row sums on the matrix unit; 0: on the vector unit, fewer cycles of
 the 900 mW matrix unit for more of the 250 mW vector unit: under a binding power budget
-the slower kernel may be the faster step). Both take ``list_schedule`` (1: the lowering
+the slower kernel may be the faster step) and ``two_pass`` (above; 0, and a knob set from
+before it: the online softmax). Both take ``list_schedule`` (1: the lowering
 reorders each unit's ops for overlap within their dependencies, ``target/lowering/
 reorder.py``; 0, and a knob set from before it: the loop nest's order). The phase
 programs' kernels plan that order for the bucket's worst case (``lower_primfunc``'s
@@ -106,9 +132,10 @@ from .kv_cache import KVCacheLayout
 
 #: knobs added after logs were written, and the value a knob set without one lowers with
 #: (as it was lowered before the knob existed): a log's old records replay unchanged
-KNOBS_SINCE = {"list_schedule": 0}
+KNOBS_SINCE = {"list_schedule": 0, "two_pass": 0}
 DECODE_KNOBS = ("tile_kv", "slots_kv", "slots_s", "list_schedule")
-PREFILL_KNOBS = ("tile_q", "tile_kv", "slots_kv", "slots_s", "rowsum_mma", "list_schedule")
+PREFILL_KNOBS = ("tile_q", "tile_kv", "slots_kv", "slots_s", "rowsum_mma", "list_schedule",
+                 "two_pass")
 
 #: the templates' revisions, part of their kernels' structural keys: bumped when the
 #: program lowered for given knobs changes, so a tuning log's records of an earlier revision
@@ -120,7 +147,7 @@ PREFILL_KNOBS = ("tile_q", "tile_kv", "slots_kv", "slots_s", "rowsum_mma", "list
 #: tiles above a chunk's causal diagonal are predicated off (``lower_primfunc``'s
 #: ``plan_params``); before, the plan charged them as running.
 DECODE_REVISION = 2
-PREFILL_REVISION = 4
+PREFILL_REVISION = 4        # (``two_pass`` is a knob: without it a program is as it was)
 
 #: lower_primfunc keyword arguments of the attention kernels
 ATTENTION_LOWERING = {"runtime": ["page_table"], "state": ["K_cache", "V_cache"]}
@@ -169,14 +196,17 @@ class _Attention:
         self.slopes_t = None
 
     # -- pieces ---------------------------------------------------------------------------
-    def declare_kv(self, cap):
+    def declare_kv(self, cap, resident: bool = False):
+        """``resident``: one instance per KV head (the first iterated loop) holds every KV
+        tile of the head, kept across query tiles, instead of one per KV tile."""
         kb = self.kb
         self.cap = cap
         # 4-D like the cache, with a unit page axis: a page DMA then pairs the cache's
         # (page, head, row, col) axes with the tile's one to one, and a tile of several
         # pages is still one 2-D MMA operand (tokens x head_dim)
-        self.kt = kb.tcm("K_tile", (1, self.hk, cap, self.d), "float16")
-        self.vt = kb.tcm("V_tile", (1, self.hk, cap, self.d), "float16")
+        inst = 1 if resident else None
+        self.kt = kb.tcm("K_tile", (1, self.hk, cap, self.d), "float16", instance_loops=inst)
+        self.vt = kb.tcm("V_tile", (1, self.hk, cap, self.d), "float16", instance_loops=inst)
 
     def s_at(self, lead, j, t):
         """S's element of query row ``lead`` and key ``j`` (global), KV tile ``t``."""
@@ -184,12 +214,14 @@ class _Attention:
             return (tirx.floormod(t, 2), *lead, j - t * self.tt)
         return (*lead, j)
 
-    def load_kv(self, h, t, klen, valid, which="KV"):
+    def load_kv(self, h, t, klen, valid, which="KV", unless=None):
         """The K and V tile ``t``: one DMA per page of the tile, of KV head ``h``, or of
         every KV head when ``h`` is None (a page holds its heads' blocks back to back, so
         that is still one contiguous DRAM read, landing in each head's rows of the tile:
         ``kv_heads`` times fewer, larger transfers, each paying one set-up). ``which``: "K",
-        "V" or both."""
+        "V" or both. ``unless``: ``(parameter, value)``: the load runs only where the tile
+        starts at ``parameter + value`` or later (a runtime predicate): a resident tile
+        that an earlier query tile, whose rows end there, loaded already is skipped."""
         kb, lay, d = self.kb, self.lay, self.d
         p, rt, tt = lay.page_tokens, self.rt, self.tt
         with kb.loop(self.ppt, "pg") as pg:
@@ -205,18 +237,23 @@ class _Attention:
                     # rows past the valid length are masked, but 0 * stale NaN is NaN)
                     row0 = t * tt + pg * rt
                     head = [("S", (0, self.hk), lv[-3])] if h is None else []
-                    return valid.iters(t * tt) + head + [("S", (0, self.cap), row0 + lv[-2]),
-                                                         ("S", (0, d), lv[-1])]
+                    new = [] if unless is None else [("S", _ANY, unless[1] - t * tt - 1)]
+                    return valid.iters(t * tt) + new + head + [
+                        ("S", (0, self.cap), row0 + lv[-2]), ("S", (0, d), lv[-1])]
 
                 def body(iv, cache=cache, tile=tile):
                     hh = iv[-3] if h is None else h
                     tok, dd = iv[-2], iv[-1]
                     src = cache[self.page_table[tok // p], hh, tok % p, dd]
                     return tile, (0, hh, tok, dd), src, [src], None
+                # -param - (value - start - 1) > 0: the tile starts at param + value or later
+                pred = None if unless is None else \
+                    f"{unless[0]}:-1:{len(valid.iters(t * tt))}"
                 kb.op(name, "dma", ((self.hk,) if h is None else ()) + (rt, d), iters, body,
                       where=lambda lv, pg=pg: t * tt + pg * rt + lv[-2] < klen,
                       ann={"npu.slots": slots, "npu.channel": ch, **valid.ann,
-                           **({"npu.valid_whole": 1} if valid.ann else {})})
+                           **({"npu.valid_whole": 1} if valid.ann else {}),
+                           "npu.predicates": pred})
 
     def step(self, h, t, rows, row_base, row_ok, ri, klen, valid, mask_ann, part,
              masks=None):
@@ -308,28 +345,51 @@ class _Attention:
         if part == "qk":
             self._qk(h, t, rows, ri, rk, rk_where, va)
             return
-        if masks is None:
-            elementwise("mask", "vector:mask", Sm, lambda x: x, [S], (rows, tt), rk,
-                        rk_where, ann={**va, **mask_ann})
-        for cond, preds in masks(c0) if masks is not None else ():
-            nv = len(valid.iters(c0))
-            tag = ",".join(f"{n}:{k}:{nv + a}" for a, (n, k, _) in enumerate(preds))
-            with (kb.when(cond) if cond is not None else contextlib.nullcontext()):
-                elementwise("mask", "vector:mask", S, lambda x: x, [S], (rows, tt),
-                            lambda lv, preds=preds: valid.iters(c0) + [
-                                ("S", _ANY, v) for _, _, v in preds] + rk(lv)[nv:],
-                            rk_where, ann={**va, **mask_ann, "npu.predicates": tag or None})
-        if self.slopes_t is not None:
-            # ALiBi on every live tile, in place, after the masks (-inf + bias is -inf):
-            # S += slope[head] * (key - query). The expression here is the key alone; the
-            # command's origin (the query's position, lower.py) shifts each row by a
-            # constant, which the softmax cancels
-            def bias(iv):
-                i, j = iv[-2], iv[-1]
-                x, sl = Sm[at(Sm, i, j)], self.slopes_t[ri(i)[0], 0]
-                return Sm, at(Sm, i, j), x + sl * _f32(j), [x, sl], None
-            kb.op("alibi", "vector:alibi", (rows, tt), rk, bias, where=rk_where,
-                  ann={**va, **self.alibi})
+        if part in ("softmax", "max"):     # the masks (and ALiBi) in place, once a tile
+            if masks is None:
+                elementwise("mask", "vector:mask", Sm, lambda x: x, [S], (rows, tt), rk,
+                            rk_where, ann={**va, **mask_ann})
+            for cond, preds in masks(c0) if masks is not None else ():
+                nv = len(valid.iters(c0))
+                tag = ",".join(f"{n}:{k}:{nv + a}" for a, (n, k, _) in enumerate(preds))
+                with (kb.when(cond) if cond is not None else contextlib.nullcontext()):
+                    elementwise("mask", "vector:mask", S, lambda x: x, [S], (rows, tt),
+                                lambda lv, preds=preds: valid.iters(c0) + [
+                                    ("S", _ANY, v) for _, _, v in preds] + rk(lv)[nv:],
+                                rk_where, ann={**va, **mask_ann, "npu.predicates": tag or None})
+            if self.slopes_t is not None:
+                # ALiBi on every live tile, in place, after the masks (-inf + bias is -inf):
+                # S += slope[head] * (key - query). The expression here is the key alone; the
+                # command's origin (the query's position, lower.py) shifts each row by a
+                # constant, which the softmax cancels
+                def bias(iv):
+                    i, j = iv[-2], iv[-1]
+                    x, sl = Sm[at(Sm, i, j)], self.slopes_t[ri(i)[0], 0]
+                    return Sm, at(Sm, i, j), x + sl * _f32(j), [x, sl], None
+                kb.op("alibi", "vector:alibi", (rows, tt), rk, bias, where=rk_where,
+                      ann={**va, **self.alibi})
+        if part == "max":          # two passes, the first: the row max over every tile
+            with kb.when(t == 0):
+                reduce("rowmax0", "vector:reduce_max", m, Sm, _NEG_INF, tirx.Max)
+            with kb.when(t > 0):
+                reduce("rowmax", "vector:reduce_max", mt, Sm, _NEG_INF, tirx.Max)
+                elementwise("max", "vector:max", m, tirx.Max, [m, mt], (rows,), r_only,
+                            lambda lv: row_ok(lv[0]))
+            return
+        if part == "exp":          # the second: P = exp(S - m) with the final max m, the
+            # shift and the exponent in one command (``exp_sub``: no S - m tile in the TCM)
+            elementwise("exp", "vector:exp_sub", P,
+                        lambda x, y: tirx.Cast("float16",
+                                               tirx.exp((x - y) * tirx.const(sc, "float32"))),
+                        [Sm, m], (rows, tt), rk, rk_where,
+                        ann={**va, "npu.slots": 2})   # tile t + 1's P while t's MMAs read
+            with kb.when(t == 0):
+                rowsum("rowsum0")
+                pv("PV0")
+            with kb.when(t > 0):
+                rowsum("rowsum")
+                pv("PV")
+            return
         first = kb.when(t == 0)
         with first:
             reduce("rowmax0", "vector:reduce_max", m, Sm, _NEG_INF, tirx.Max)
@@ -542,7 +602,7 @@ def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, til
 def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_q: int,
                       tile_kv: int, slots_kv: int = 2, slots_s: int = 1, rowsum_mma: int = 1,
                       chunked: bool = False, max_pages: int | None = None, scale=None,
-                      channels: int = 2, alibi: bool = False):
+                      channels: int = 2, alibi: bool = False, two_pass: int = 0):
     """Causal prefill attention as a :class:`TileKernel`.
 
     ``q, out (tokens, Hq, D)``. Whole prompt (``chunked=False``): the keys are the first
@@ -558,10 +618,12 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
     cap = max_pages * p
     with TileKernel("prefill_attention") as kb:
         a = _Attention(kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels,
-                       ahead=slots_s == 2,
+                       ahead=slots_s == 2 and not two_pass,
                        alibi={"npu.alibi_query": "pos" if chunked else "",
                               "npu.alibi_offset": 0, "npu.alibi_rows": 1} if alibi else None)
         hq, g, hk = a.hq, a.g, a.hk
+        if two_pass:          # K and V load in passes of their own: each on every channel
+            a.k_channel = a.v_channel = None
         tq = min(tile_q, c)
         q = kb.buffer("q", (c, hq, d), "float16")
         a.k_cache = kb.buffer("K_cache", layout.shape, "float16")
@@ -580,7 +642,7 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
         q_raw = kb.tcm("Q_raw", (c, hq, d), "float16")
         a.Q = kb.tcm("Q", (hq, c, d), "float16")
         kv_len = cap if chunked else c
-        a.declare_kv(cap)
+        a.declare_kv(cap, resident=bool(two_pass))
         if rowsum_mma:
             a.declare_ones(cap)
         a.declare_state((hq, c), cap, mask_in_place=True, outer_loops=2)    # h, qi
@@ -628,7 +690,29 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
                 with kb.loop(g, "e") as e:
                     a.step(h, t, tq, q0, row_ok, lambda i, e=e: (h * g + e, i), kv_len,
                            valid, mask_ann, name, masks)
-            if a.ahead:
+            if two_pass:
+                # every live tile's scores stay in the TCM (S holds the q tile's rows over
+                # the whole cache): the first pass takes the row max over them, the
+                # second exponentiates with it and sums, so nothing is ever rescaled. K
+                # and V stay too, for every q tile of the head: a tile is loaded by the
+                # first q tile it is live for (whose rows end past its first key)
+                def load(t, which):
+                    if not chunked:
+                        with kb.when(t * tt >= q0):
+                            a.load_kv(h, t, kv_len, valid, which)
+                        return
+                    with kb.when(qi == 0):
+                        a.load_kv(h, t, kv_len, valid, which)
+                    with kb.when(qi > 0):
+                        a.load_kv(h, t, kv_len, valid, which, unless=("pos", q0))
+                with kb.loop(n_kt, "t") as t:
+                    load(t, "K")
+                    part(t, "qk")
+                    part(t, "max")
+                with kb.loop(n_kt, "t") as t:
+                    load(t, "V")
+                    part(t, "exp")
+            elif a.ahead:
                 # software-pipelined: iteration u loads K and runs the QK^T of tile u, then
                 # the softmax and P @ V of tile u - 1, whose scores are in the other slot
                 with kb.loop(n_kt + 1, "u") as u:
@@ -684,12 +768,14 @@ def schedule_prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int,
                                tile_q: int, tile_kv: int, slots_kv: int = 2, slots_s: int = 1,
                                rowsum_mma: int = 1, chunked: bool = False,
                                max_pages: int | None = None, scale=None,
-                               alibi: bool = False, list_schedule: int = 0):
+                               alibi: bool = False, list_schedule: int = 0,
+                               two_pass: int = 0):
     """The scheduled prefill attention kernel; lower with ``**ATTENTION_LOWERING``."""
     kb = prefill_attention(layout, q_heads, tokens, tile_q=tile_q, tile_kv=tile_kv,
                            slots_kv=slots_kv, slots_s=slots_s, rowsum_mma=rowsum_mma,
                            chunked=chunked, max_pages=max_pages, scale=scale,
-                           channels=spec.dma_channels, alibi=alibi)
-    return _schedule(kb, (("tile_q", tile_q), ("tile_kv", tile_kv), ("slots_kv", slots_kv),
-                          ("slots_s", slots_s), ("rowsum_mma", rowsum_mma),
-                          ("list_schedule", list_schedule)), list_schedule)
+                           channels=spec.dma_channels, alibi=alibi, two_pass=two_pass)
+    knobs = (("tile_q", tile_q), ("tile_kv", tile_kv), ("slots_kv", slots_kv),
+             ("slots_s", slots_s), ("rowsum_mma", rowsum_mma), ("list_schedule", list_schedule))
+    # a knob set from before ``two_pass`` keeps its trace (and structural key) as it was
+    return _schedule(kb, knobs + ((("two_pass", two_pass),) if two_pass else ()), list_schedule)

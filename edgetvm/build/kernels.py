@@ -309,8 +309,8 @@ class KernelBuilder:
         knobs, replayed = self._knobs(key, knobs)
 
         def build(kn):
-            kn = attention_default_knobs(graph.phase, graph.rows, pages, self.layout) \
-                if kn is None else dict(kn)
+            kn = attention_default_knobs(graph.phase, graph.rows, pages, self.layout, hq,
+                                         self.spec) if kn is None else dict(kn)
             if graph.phase == "decode":
                 sch = _apply(schedule_decode_attention, None, "decode attention", kn,
                              self.layout, hq, pages, self.spec, scale=scale, alibi=alibi)
@@ -331,16 +331,23 @@ class KernelBuilder:
                       state=_layer_state(op.layer), knobs=used, key=key)
 
 
-def attention_default_knobs(phase: str, rows: int, pages: int, layout: KVCacheLayout) -> dict:
+def attention_default_knobs(phase: str, rows: int, pages: int, layout: KVCacheLayout,
+                            q_heads: int, spec) -> dict:
     """The default (untuned) knobs of a decode or prefill attention kernel."""
-    tile = min(64, pages * layout.page_tokens)
+    cap = pages * layout.page_tokens
+    tile = min(64, cap)
     if phase == "decode":
         return dict(tile_kv=tile, slots_kv=2, slots_s=1)
     # list-scheduled: SmolLM2's prefill-512 attention alone 236.7 k -> 229.5 k cycles
     # (tile_q = tile_kv = 64), 244.5 k -> 224.9 k (128); decode measured 1-4 % slower. In
-    # the phase programs the order is planned for the bucket's worst case (``_attention``)
-    return dict(tile_q=min(64, rows), tile_kv=tile, slots_kv=2, slots_s=2, rowsum_mma=1,
-                list_schedule=1)
+    # the phase programs the order is planned for the bucket's worst case (``_attention``).
+    # Two passes (a q tile's scores over the whole cache in the TCM, no rescaling, K and V
+    # kept for the head's q tiles): 229.5 k -> 177.3 k at 64 x 64, while those scores and
+    # K and V (two slots each) take at most a quarter of the TCM
+    tq = min(64, rows)
+    held = 2 * ((q_heads // layout.kv_heads) * tq * 4 + 2 * layout.head_dim * 2) * cap
+    return dict(tile_q=tq, tile_kv=tile, slots_kv=2, slots_s=2, rowsum_mma=1,
+                list_schedule=1, two_pass=int(held <= spec.tcm_bytes // 4))
 
 
 def cluster_rows(cluster: FusionCluster) -> int:

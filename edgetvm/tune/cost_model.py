@@ -47,7 +47,7 @@ FEATURES = (
     "log_macs", "log_intensity", "log_w_tiles", "mean_tn_frac", "mean_tk_frac",
     "slots_in", "slots_out", "slots_w", "slots_c", "dma_split", "matmuls", "w4",
     "log_tile_q", "log_tile_kv", "kv_tiles", "slots_kv", "slots_s", "rowsum_mma",
-    "clusters", "log_cut_bytes", "max_cluster_ops", "max_cluster_w_frac", "mm_clusters",
+    "two_pass", "clusters", "log_cut_bytes", "max_cluster_ops", "max_cluster_w_frac", "mm_clusters",
     "log_est_mma", "log_est_wdma", "log_est_act", "log_est_vec", "log_est_serial",
     "log_est_overlap", "prior", "tile_m_frac", "tcm_fresh", "list_schedule",
 ) + tuple(f"mm{i}_{k}" for i in range(4) for k in (
@@ -173,7 +173,9 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
     that is live (prefill: causal, its queries at the bucket's last positions as the
     kernel is measured), the QK^T and P @ V MMAs (and prefill's row sums as an MMA, or
     as a vector reduction with ``rowsum_mma=0``), the softmax's vector passes over the
-    scores (the mask on the tiles the diagonal crosses, ALiBi's bias) and over the rows,
+    scores (the mask on the tiles the diagonal crosses, ALiBi's bias) and over the rows
+    (with ``two_pass``, the running max only: no correction, no rescaled O or l; the two
+    passes overlap their units each, not each other; K and V loaded once per KV head),
     and the K/V page DMAs (bytes and one set-up per page DMA); then per query tile the Q
     load, its per-head copy, the normalisation and the store. ``serial``: no unit
     overlaps another; ``overlap``: per KV tile the longer of the matrix and vector work
@@ -196,26 +198,43 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
     listed = bool(knobs.get("list_schedule", 0))
     piped = knobs.get("slots_s", 1) > 1 or listed
     kv_hidden = knobs.get("slots_kv", 1) > 1
-    score_ops = ("reduce_max", "sub", "exp") + (("alibi",) if sh["alibi"] else ())
+    two_pass = bool(knobs.get("two_pass", 0)) and kind == "prefill_attention"
+    # two passes shift and exponentiate in one command (``exp_sub``)
+    score_ops = ("reduce_max",) + (("exp_sub",) if two_pass else ("sub", "exp")) + \
+        (("alibi",) if sh["alibi"] else ())
 
     def step(m: int, masked: bool, first: bool, rowsum_mma: bool, heads: int,
              kv_cycles: float, n: int = 1) -> None:
         """``n`` live KV tiles alike for ``heads`` query heads of ``m`` rows each."""
         if n <= 0:
             return
-        mat = heads * (_mma(m, tt, d, spec) + _mma(m, d, tt, spec) +
-                       (_mma(m, 1, tt, spec) if rowsum_mma else 0))
+        qk = heads * _mma(m, tt, d, spec)
+        mat = qk + heads * (_mma(m, d, tt, spec) + (_mma(m, 1, tt, spec) if rowsum_mma else 0))
         vec = _vec(m, tt, spec, *score_ops) + (_vec(m, tt, spec, "mask") if masked else 0)
+        # the first pass's vector work (two passes): the max, and the masks and bias
+        vec_max = vec - _vec(m, tt, spec, "exp_sub") + (_vec(1, m, spec, "max") if not first
+                                                         else 0)
         if not rowsum_mma:
             vec += _vec(m, tt, spec, "reduce_sum") + (0 if first else _vec(1, m, spec, "add"))
-        if not first:        # the running max, its correction, O and l rescaled
+        if not first and two_pass:     # the running max only: nothing is rescaled
+            vec += _vec(1, m, spec, "max")
+        elif not first:      # the running max, its correction, O and l rescaled
             vec += _vec(1, m, spec, "max", "sub", "exp", "copy", "mul") + \
                 _vec(m, d, spec, "mul")
         vec *= heads
         est["mma"] += n * mat
         est["vec"] += n * vec
         est["wdma"] += n * kv_cycles
-        compute = max(mat, vec) if piped else vec + mat / heads
+        # unpipelined, one head's MMAs wait for its softmax; the matrix unit's own work
+        # still bounds the tile where the MMAs outweigh the vector passes (tiny heads pad
+        # to the array's native tile)
+        compute = max(mat, vec) if piped else max(mat, vec + mat / heads)
+        if two_pass:         # the passes do not overlap each other: QK^T beside the max,
+            vec_max *= heads           # then the exponents beside the sums and P @ V;
+            # their score slots are per q tile, not per KV tile: in loop order a head's
+            # max waits for its QK^T, its MMAs for its exponents (as unpipelined)
+            compute = max(qk, vec_max) + max(mat - qk, vec - vec_max) if listed else \
+                max(mat, vec + mat / heads)
         est["serial"] += n * (mat + vec + kv_cycles)
         est["overlap"] += n * (max(compute, kv_cycles) if kv_hidden else compute + kv_cycles)
         if first and kv_hidden:      # the pipeline's fill: the first tile's load
@@ -226,15 +245,23 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
         pos = max(0, cap - rows)                  # measured at the bucket's last positions
         kv = 2 * tile_bytes / bw + setup * page_dmas     # K and V on their own channels
         rs = bool(knobs.get("rowsum_mma", 1))
+        loaded = 0                 # two passes: the KV tiles resident for the head so far
         for q0 in range(0, rows, tq):
             m = min(tq, rows - q0)
             live = min(n_kt, -(-(pos + q0 + m) // tt))
             # the tiles the causal diagonal crosses (masked): from the first whose last
             # key is past the q tile's first row
             unmasked = min(live, max(0, (pos + q0 + 1) // tt))
-            step(m, unmasked == 0, True, rs, g, kv)                  # tile 0
-            step(m, False, False, rs, g, kv, unmasked - 1)
-            step(m, True, False, rs, g, kv, live - max(1, unmasked))
+            kv_step = 0.0 if two_pass else kv
+            step(m, unmasked == 0, True, rs, g, kv_step)                  # tile 0
+            step(m, False, False, rs, g, kv_step, unmasked - 1)
+            step(m, True, False, rs, g, kv_step, live - max(1, unmasked))
+            if two_pass:           # each KV tile loaded once, by its first live q tile
+                new = live - loaded
+                loaded = live
+                est["wdma"] += new * kv
+                est["serial"] += new * kv
+                est["overlap"] += kv * (min(1, new) if kv_hidden else new)
             # Q in, each head's copy, the normalisation (1 / l, O * it), the output out
             io = (2 * m * g * d * 2) / bw + 2 * setup
             vec = g * (_vec(m, d, spec, "copy") + _vec(m, d, spec, "mul") +
@@ -393,7 +420,8 @@ def features(task, knobs: dict, spec) -> np.ndarray:
         q_tiles = math.ceil(rows / tq)
         kv_tiles = math.ceil(cap / tkv)
         kv_bytes = 2 * cap * hk * hd * 2
-        tcm = knobs["slots_kv"] * 2 * tkv * hk * hd * 2 + knobs["slots_s"] * tq * tkv * hq * 4
+        s_cols = cap if knobs.get("two_pass") else tkv     # two passes: the whole row
+        tcm = knobs["slots_kv"] * 2 * tkv * hk * hd * 2 + knobs["slots_s"] * tq * s_cols * hq * 4
         macs = 2 * rows * cap * hq * hd
         dram = kv_bytes * q_tiles + rows * hq * hd * 4
         # a page DMA per KV head (prefill), or one per page for all heads (decode)
@@ -406,6 +434,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  log_intensity=_l(macs / max(1, dram)), slots_kv=knobs["slots_kv"],
                  slots_s=knobs["slots_s"],
                  rowsum_mma=knobs.get("rowsum_mma", 1) if "tile_q" in knobs else 0,
+                 two_pass=knobs.get("two_pass", 0),
                  list_schedule=knobs.get("list_schedule", 0))
         est = attention_estimate(task.kind, sh, knobs, spec)
         f.update({f"log_est_{k}": _l(v) for k, v in est.items()})

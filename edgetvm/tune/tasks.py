@@ -324,6 +324,7 @@ def template_space(kind: str, graph, op, layout) -> tuple:
                  slots_s=[1, 2])
     if kind == "prefill_attention":
         space["rowsum_mma"] = [0, 1]
+        space["two_pass"] = [0, 1]
     space["list_schedule"] = [0, 1]
     return space, dict(rows=graph.rows, capacity=cap, q_heads=op.attrs["q_heads"],
                        kv_heads=layout.kv_heads, head_dim=layout.head_dim,

@@ -15,7 +15,11 @@ DRAM bus and the clock are the simulation's, ``device.py`` and ``power.py``):
   NEON ``vrev64``/``vtrn``), so the preset keys one cost for both. ``alibi`` costs the
   three elementary passes it is made of, at the preset's own per-op costs: the key
   ramp minus the origin (``sub``), times the row's slope (``mul``), plus the score
-  (``add``); no fused multiply-add is assumed.
+  (``add``); no fused multiply-add is assumed. ``exp_sub`` (``exp((x - y) * imm)``, the
+  softmax's shift and exponent in one command) costs a ``sub`` and an ``exp`` pass: the
+  same instructions; what it saves is the difference's round trip through the TCM (a
+  vector unit keeps it in its registers, as HVX or NEON code does between two
+  instructions), so the TCM is charged its sources and result only.
 * Host op: ``host_switch_cycles + ceil(flops / host_flops_per_cycle)``, on the CPU's clock.
 * DMA: ``dma_setup_cycles`` on its channel, then its bursts on the shared bus: every
   contiguous run of bytes (the whole window if its rows are adjacent in DRAM, else each
@@ -66,7 +70,8 @@ def vector_cycles(cmd: Vector, spec) -> int:
 
 
 #: ops charged the per-pass costs of other ops, summed (see the module docstring)
-_COSTED_AS = {"rope_pairs": ("rope",), "alibi": ("sub", "mul", "add")}
+_COSTED_AS = {"rope_pairs": ("rope",), "alibi": ("sub", "mul", "add"),
+              "exp_sub": ("sub", "exp")}
 
 
 def command_cycles(cmd, spec) -> int:

@@ -100,6 +100,9 @@ def vector(cmd: Vector, tcm: np.ndarray, params) -> None:
         r = x.sum(axis=1, keepdims=True)
     elif op == "exp":
         r = np.exp(x if cmd.imm is None else x * _F32(cmd.imm))   # isa.py: exp(x * imm)
+    elif op == "exp_sub":
+        d = x - tcm_view(tcm, cmd.srcs[1]).astype(_F32)
+        r = np.exp(d if cmd.imm is None else d * _F32(cmd.imm))
     elif op == "rsqrt":
         r = 1.0 / np.sqrt(x + _F32(cmd.imm or 0.0))
     elif op == "silu":

@@ -534,9 +534,27 @@ def test_vector_alibi_refuses_slopes_that_are_not_one_per_row(spec):
         run_vector(spec, "alibi", [x, np.ones((1, 16), np.float32)], origin=Affine(0))
 
 
+def test_vector_exp_sub_shifts_each_row_then_exponentiates(spec):
+    # exp((x - y[row]) * imm) into fp16 (the softmax's P): a shift on the wrong axis, a
+    # scale applied before the shift or not at all gives other values (or overflows)
+    rows, cols, imm = 4, 80, 0.125
+    x = (RNG.standard_normal((rows, cols)) * 40).astype(np.float32)
+    y = x.max(axis=1, keepdims=True)
+    p, c = run_vector(spec, "exp_sub", [x, y], dst_dtype="float16", imm=imm)
+    want = np.exp((x.astype(np.float64) - y) * imm)
+    np.testing.assert_allclose(p.astype(np.float64), want, rtol=1e-3, atol=1e-7)
+    # a sub and an exp pass per lane-width of each row; the TCM sees x, y and the fp16
+    # result only (``sub`` then ``exp`` would also write and read the fp32 difference):
+    # the loads write x and y, the op reads them and writes P, the store reads P
+    passes = rows * ceil_div(cols, spec.vector_lanes)
+    assert c.busy_cycles["vector"] == passes * (spec.vector_op_cycles["sub"] +
+                                                spec.vector_op_cycles["exp"])
+    assert c.tcm_read_bytes == c.tcm_write_bytes == x.nbytes + y.nbytes + p.nbytes
+
+
 def test_every_vector_op_is_covered():
     tested = set(BINARY) | {"reduce_max", "reduce_sum", "exp", "rsqrt", "silu", "gelu",
-                            "gelu_tanh", "cast",
+                            "gelu_tanh", "cast", "exp_sub",
                             "copy", "rope", "rope_pairs", "mask", "alibi"}
     assert tested == set(VECTOR_OP_ARITY)
 

@@ -260,6 +260,61 @@ def test_chunked_prefill_attention(spec, shape, chunk, max_pages, positions, row
     _check_row_sums(prog, hq * (chunk // 16) * (max_pages * P // 32), rowsum_mma)
 
 
+@pytest.mark.parametrize("shape,tokens,chunked,tile_q,tile_kv,rowsum_mma,positions", [
+    (SMOLLM2, 100, False, 32, 32, 1, (0,)),        # whole prompt, non-divisible length
+    (SMOLLM2, 64, False, 16, 32, 0, (0,)),         # the row sums on the vector unit
+    (TINY_LLAMA, 32, True, 16, 32, 1, (0, 14, 31, 46)),   # chunks at several positions
+])
+def test_two_pass_prefill_attention(spec, shape, tokens, chunked, tile_q, tile_kv,
+                                    rowsum_mma, positions):
+    """``two_pass=1``: the first pass takes each row's max over every live KV tile, the
+    second exponentiates with it (``exp_sub``) and sums: nothing is rescaled, and K and V
+    are loaded once per head, kept for its later q tiles. The scores
+    are large (a stale max, such as the first tile's, overflows P's fp16 into inf / NaN;
+    softmax is shift-invariant, so small scores would hide it)."""
+    hq, hk, d = shape
+    max_pages = 6 if chunked else -(-tokens // P)
+    lay, prog, k, v, pages = _prefill_program(
+        spec, shape, tokens, max_pages, tile_q=tile_q, tile_kv=tile_kv, slots_kv=2,
+        slots_s=2, rowsum_mma=rowsum_mma, chunked=chunked, two_pass=1, list_schedule=1)
+    rng = np.random.default_rng(7)
+    k = (k.astype(np.float32) * 6).astype(np.float16)
+    ramp = np.linspace(0.2, 1.0, lay.page_tokens)[None, None, :, None]   # later keys larger
+    k = (k.astype(np.float32) * ramp).astype(np.float16)
+    q = (rng.standard_normal((tokens, hq, d)) * 6).astype(np.float16)
+    emu = Emulator(spec)
+    for pos in positions:
+        length = pos + tokens
+        params = lay.page_table_params(pages, max_pages)
+        if chunked:
+            params = {**params, "pos": pos, "valid_len": length}
+        r = emu.run(prog, {"K_cache": k, "V_cache": v, "q": q}, params=params, trace=True)
+        out = r.outputs["out"]
+        # K and V stay in the TCM across the head's q tiles: each page of a live KV tile
+        # is loaded once per KV head, by the first q tile it is live for
+        live = -(-length // tile_kv)                    # KV tiles, each of whole pages
+        loaded = min(live * tile_kv // P, max_pages)      # (but the cache's last)
+        ran = [prog.commands[e.index] for e in r.trace]
+        for cache in ("K_cache", "V_cache"):
+            assert sum(isinstance(c, DmaLoad) and c.src.tensor == cache for c in ran) == \
+                hk * loaded, (cache, pos)
+        kk = gather_reference(k, pages, length)
+        ref = _attention_ref(q, kk, gather_reference(v, pages, length), pos, hq // hk)
+        scores = np.einsum("shd,hld->hsl", q.astype(np.float32),
+                           np.repeat(kk.astype(np.float32), hq // hk, axis=0)) / np.sqrt(d)
+        assert np.ptp(scores) > 40          # the data exercises the max, as it claims
+        _close(out, ref)
+    vec = [c for c in prog.commands if isinstance(c, Vector)]
+    # P from the scores in one command per tile and head, no S - m tile; the output is
+    # never rescaled in place (O * c): the only (rows, head_dim) multiply is the
+    # normalisation into fp16
+    assert sum(c.op == "exp_sub" for c in vec) == \
+        sum(isinstance(c, Mma) and c.transpose_b for c in prog.commands)
+    assert not any(c.op in ("sub", "exp") and c.dst.shape[1] == tile_kv for c in vec)
+    assert not any(c.op == "mul" and c.dst == c.srcs[0] and c.dst.shape[1] == d for c in vec)
+    assert all(c.dst.dtype == "float16" for c in vec if c.op == "mul" and c.dst.shape[1] == d)
+
+
 # -- list scheduling ----------------------------------------------------------------------
 def _no_sync(cmd):
     return repr(dataclasses.replace(cmd, wait=(), signal=()))
