@@ -308,9 +308,7 @@ class KernelBuilder:
                         *extra))
         knobs, replayed = self._knobs(key, knobs)
 
-        def build(kn):
-            kn = attention_default_knobs(graph.phase, graph.rows, pages, self.layout, hq,
-                                         self.spec) if kn is None else dict(kn)
+        def lower(kn):
             if graph.phase == "decode":
                 sch = _apply(schedule_decode_attention, None, "decode attention", kn,
                              self.layout, hq, pages, self.spec, scale=scale, alibi=alibi)
@@ -323,6 +321,19 @@ class KernelBuilder:
             return lower_primfunc(sch.mod["main"], self.spec, f"{graph.phase}_attention",
                                   outputs=["out"], **ATTENTION_LOWERING,
                                   plan_params=graph.worst_case_lengths(self.layout)), kn
+
+        def build(kn):
+            if kn is not None:
+                return lower(dict(kn))
+            kn = attention_default_knobs(graph.phase, graph.rows, pages, self.layout, hq,
+                                         self.spec)
+            try:
+                return lower(kn)
+            except CandidateRejected:
+                if not kn.get("two_pass"):
+                    raise
+                # the defaults' TCM estimate was short: the one-pass loop holds a KV tile
+                return lower({**kn, "two_pass": 0})
         program, used = self._cached(key, knobs, replayed, build)
         bindings = {"q": op.inputs["q"], "out": op.outputs["out"]}
         if alibi:

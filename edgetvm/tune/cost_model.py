@@ -420,15 +420,22 @@ def features(task, knobs: dict, spec) -> np.ndarray:
         q_tiles = math.ceil(rows / tq)
         kv_tiles = math.ceil(cap / tkv)
         kv_bytes = 2 * cap * hk * hd * 2
-        s_cols = cap if knobs.get("two_pass") else tkv     # two passes: the whole row
-        tcm = knobs["slots_kv"] * 2 * tkv * hk * hd * 2 + knobs["slots_s"] * tq * s_cols * hq * 4
+        if knobs.get("two_pass"):
+            # one KV head's K and V over the cache, the q tile's scores for its query heads
+            # over the cache; every KV tile loaded once
+            tcm = knobs["slots_kv"] * 2 * cap * hd * 2 + \
+                knobs["slots_s"] * tq * cap * max(1, hq // hk) * 4
+            loads = 1
+        else:
+            tcm = knobs["slots_kv"] * 2 * tkv * hk * hd * 2 + knobs["slots_s"] * tq * tkv * hq * 4
+            loads = q_tiles
         macs = 2 * rows * cap * hq * hd
-        dram = kv_bytes * q_tiles + rows * hq * hd * 4
+        dram = kv_bytes * loads + rows * hq * hd * 4
         # a page DMA per KV head (prefill), or one per page for all heads (decode)
-        dma = 2 * q_tiles * kv_tiles * max(1, tkv // 16) * (hk if "tile_q" in knobs else 1)
+        dma = 2 * loads * kv_tiles * max(1, tkv // 16) * (hk if "tile_q" in knobs else 1)
         f.update(log_tile_q=_l(tq), log_tile_kv=_l(tkv), kv_tiles=kv_tiles,
                  row_tiles=q_tiles, log_act_bytes=_l(rows * hq * hd * 2),
-                 log_weight_dram=_l(kv_bytes * q_tiles), log_dma_count=_l(dma),
+                 log_weight_dram=_l(kv_bytes * loads), log_dma_count=_l(dma),
                  log_mean_dma=_l(dram / max(1, dma)), log_tcm=_l(tcm),
                  tcm_frac=tcm / spec.tcm_bytes, log_macs=_l(macs),
                  log_intensity=_l(macs / max(1, dram)), slots_kv=knobs["slots_kv"],

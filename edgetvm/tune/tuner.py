@@ -106,6 +106,16 @@ DEFAULTS_OVER = "defaults over budget"
 GUIDED_KINDS = ("partition",)
 GUIDED_GENERATIONS = 2
 
+#: per other measuring context of a task's workload (its neighbours changed since), the
+#: best knob sets measured there that a tune measures first in the new one
+#: (:meth:`Tuner._resume`). Without them a 48-trial tune of SmolLM2's W4A16 prefill-512
+#: layer cluster beside a new attention started from the defaults (1.052 M cycles in
+#: context) and ended at 0.985 M, where 975 trials beside the old attention had reached
+#: 0.951 M (a replay takes the latest context's best). With them the old best came first,
+#: 0.958 M beside the new attention, but over the power limit there (the defaults' own
+#: peak, lower beside the cooler attention), so it was not chosen either
+CARRIED = 4
+
 
 class TuneError(EdgeTVMError):
     """The tuner cannot run as asked."""
@@ -129,6 +139,9 @@ class TaskState:
     wall_s: float = 0.0          # time spent lowering and measuring its candidates
     walls: int = 0
     first_error: str | None = None
+    #: the best knobs of the workload measured beside other neighbours (``CARRIED`` per
+    #: context, the latest context first): seeds of this context
+    carried: list = field(default_factory=list)
 
     def offer(self, rec: Record) -> None:
         self.seen.add(rec.knobs_key)
@@ -196,6 +209,27 @@ class Tuner:
         if recs:
             log.info("resumed %d records of %d tasks from %s", len(recs),
                      len({r.workload for r in recs}), self.log.path)
+        # the best knobs found beside other neighbours: a neighbour that changed (another
+        # template revision beside it, other cuts) does not send the search back to the
+        # defaults; the cycles of another context are not compared with this one's
+        others: dict = {}
+        for r in self.log.matching(self.ctx):
+            s = by_w.get(r.workload)
+            if s is not None and r.status == OK and r.neighbours != s.task.context:
+                others.setdefault(r.workload, {}).setdefault(r.neighbours, []).append(r)
+        for w, by_ctx in others.items():
+            s = by_w[w]
+            keys = set(s.seen)
+            for rs in sorted(by_ctx.values(), key=lambda rs: -max(r.time for r in rs)):
+                rs = sorted(rs, key=lambda r: (r.cycles, r.knobs_key))
+                taken = 0
+                for r in rs:
+                    if taken == CARRIED:
+                        break
+                    if r.knobs_key not in keys:
+                        keys.add(r.knobs_key)
+                        s.carried.append(r.knobs)
+                        taken += 1
 
     def _train_from(self, recs) -> None:
         if self.model is None:
@@ -434,9 +468,11 @@ class Tuner:
 
     def _propose(self, s, n: int) -> list:
         t = s.task
-        # the task's seeds first (up to half the batch), then the model's picks
+        # the task's seeds first (up to half the batch): the best knobs of other measuring
+        # contexts, then the template's own; then the model's picks
+        carried = [p for p in map(t.to_point, s.carried) if p is not None]
         seeds, keys = [], set()
-        for p in self._affordable(t, t.seeds()):
+        for p in self._affordable(t, carried + t.seeds()):
             k = canonical_knobs(t.to_knobs(p))
             if k not in s.seen and k not in keys and len(seeds) < max(1, n // 2):
                 keys.add(k)

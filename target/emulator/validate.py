@@ -215,7 +215,8 @@ def _check_vector(cmd, program, spec):
         _fail(f"unknown vector op {cmd.op!r}")
     arity = VECTOR_OP_ARITY[cmd.op]
     srcs = tuple(cmd.srcs)
-    binary_imm = arity == 2 and len(srcs) == 1 and cmd.imm is not None
+    # a binary op's second operand may be the immediate; exp_sub's imm is its scale
+    binary_imm = arity == 2 and len(srcs) == 1 and cmd.imm is not None and cmd.op != "exp_sub"
     if len(srcs) != arity and not binary_imm:
         _fail(f"vector {cmd.op} takes {arity} TCM source(s), got {len(srcs)}")
     _check_tcm(cmd.dst, program, spec, f"vector {cmd.op} dst")

@@ -356,11 +356,17 @@ def _vector(op, tcm) -> Vector:
         srcs = tuple(_broadcast(s, dst.shape) for s in srcs)
     limit = causal = origin = None
     # a mask or alibi op iterates (..., query row, key, outer loops...) (the attention
-    # template's order): its row is the iter var before the key's, also in a tile of one row
-    at_row = row_var if row_var is not None else \
-        col_var - 1 if col_var is not None and col_var > 0 else None
+    # template's order): its row is the iter var before the key's, also in a tile of one
+    # row; in a tile of one key (the last of a whole prompt's keys) its one non-unit loop
+    # runs down a column, and that loop is the row, the key the iter var after it
+    at_row, at_key = row_var, col_var
+    if row_var is None and col_var is not None:
+        if dst.shape[1] == 1 and dst.shape[0] > 1 and op.op in ("mask", "alibi"):
+            at_row, at_key = col_var, col_var + 1
+        elif col_var > 0:
+            at_row = col_var - 1
     r0 = op.attrs["iter_min"][at_row] if at_row is not None else 0
-    c0 = op.attrs["iter_min"][col_var] if col_var is not None else 0
+    c0 = op.attrs["iter_min"][at_key] if at_key is not None else 0
     if op.op == "alibi":
         # the bias is 0 at the key of the first row's query: the runtime parameter
         # ``alibi_query`` (or 0) plus ``alibi_offset``, plus the row where rows are

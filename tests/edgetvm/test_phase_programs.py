@@ -852,6 +852,28 @@ def test_the_attention_order_is_planned_for_the_buckets_worst_case(monkeypatch):
     assert ("decode_attention", {"pos": 63, "valid_len": 64}) in seen
 
 
+@pytest.mark.parametrize("max_tokens,forced", [(64, False), (8192, False), (8192, True)])
+def test_the_default_prefill_attention_takes_two_passes_where_they_fit(monkeypatch,
+                                                                        max_tokens, forced):
+    """The default prefill attention holds a q tile's scores, K and V over the whole cache
+    (``two_pass``) where they fit a quarter of the TCM, and the one-pass loop at a long
+    capacity (8,192 tokens on the 4 MB preset); defaults whose two passes the TCM refuses
+    after all (``forced``: a default that claims they fit) lower in one pass, never fail
+    the build. The knobs a kernel records are the ones it was lowered with."""
+    import edgetvm.build.kernels as kernels
+    if forced:
+        real = kernels.attention_default_knobs
+        monkeypatch.setattr(kernels, "attention_default_knobs",
+                            lambda *a, **kw: {**real(*a, **kw), "two_pass": 1})
+    mc = ModelCompiler(str(_path("llama")), "edge-npu-4mb", max_tokens=max_tokens,
+                       max_rows=64)
+    g = mc.graph("prefill", 64, mc.num_pages)
+    grp = next(grp for grp in mc.partition(g) if g.ops[grp[0]].kind == "attention")
+    k = mc.kernels.kernel(g, grp, g.consumers())
+    assert k.knobs["two_pass"] == int(max_tokens == 64)
+    assert k.program.tcm_bytes <= mc.spec.tcm_bytes
+
+
 def test_default_clusters_record_the_order_they_were_lowered_in():
     """A build's default clusters take the order (loop nest or list schedule) the
     lowering's plan estimates faster, and their knobs say which, as 0 or 1 (never the

@@ -890,6 +890,49 @@ def test_a_clusters_default_ladder_is_measured_in_both_orders_before_the_models_
         assert not set(canonical_knobs(k) for k in tuner._propose(s, 4)) & set(keys)
 
 
+def test_the_best_knobs_of_another_measuring_context_are_measured_first(tmp_path, mc):
+    """A task whose neighbours changed (its records are of another context): a tune
+    measures the best knob sets found there first, before the template's own seeds, up to
+    ``CARRIED`` per context, the latest context first, none already measured in this
+    context nor twice; the cycles of the other contexts are never taken as this one's."""
+    from edgetvm.tune.log import Record
+    from edgetvm.tune.tuner import CARRIED
+    import random
+    t = next(t for t in extract_tasks(mc, [("prefill", 16, 1)])
+             if t.kind == "cluster" and len(t.shape["matmuls"]) >= 2)
+    ctx = log_context(LLAMA, mc.spec, None, None)
+    with TuningLog(str(tmp_path / "log")) as tlog:
+        probe = Tuner(mc, [t], tlog, ctx, progress=False, seed=0)
+        pts = probe._affordable(t, t.sample(random.Random(3), 40, set()))
+        ladder = {canonical_knobs(t.to_knobs(p)) for p in t.seeds()}
+        pts = [p for p in pts if canonical_knobs(t.to_knobs(p)) not in ladder][:9]
+        kn = [t.to_knobs(p) for p in pts]
+
+        def rec(k, cycles, neighbours, time):
+            return Record(ctx, t.workload, t.kind, t.label, k, OK, cycles=cycles,
+                          neighbours=neighbours, time=time)
+        # an old context: five records (the best four carried, best first); a newer one:
+        # two; this context: one of the old context's best, measured already
+        for i, c in enumerate((500, 100, 300, 200, 400)):
+            tlog.append(rec(kn[i], c, "old-neighbours", 1000.0 + i))
+        tlog.append(rec(kn[5], 700, "newer-neighbours", 2000.0))
+        tlog.append(rec(kn[1], 900, "newer-neighbours", 2001.0))      # also carried there
+        tlog.append(rec(kn[6], 50, "newer-neighbours", 2002.0))
+        tlog.append(rec(kn[3], 10_000, t.context, 3000.0))            # seen here
+        tuner = Tuner(mc, [t], tlog, ctx, progress=False, seed=0)
+    s = tuner.states[0]
+    want = [kn[6], kn[5], kn[1], kn[2], kn[4], kn[0]]
+    assert CARRIED == 4 and [canonical_knobs(k) for k in s.carried] == \
+        [canonical_knobs(k) for k in want]
+    assert s.best_cycles == 10_000 and s.trials == 1     # only this context's record counts
+    first = [canonical_knobs(k) for k in tuner._propose(s, 8)]
+    assert first[:4] == [canonical_knobs(k) for k in want[:4]]      # half the batch
+    s.seen |= set(first)
+    second = [canonical_knobs(k) for k in tuner._propose(s, 8)]
+    assert second[:2] == [canonical_knobs(k) for k in want[4:]]
+    assert canonical_knobs(kn[3]) not in first + second
+
+
 def test_every_program_counts_alike_in_a_tasks_weight(tmp_path, mc):
     """Tuner.weight: a task's occurrences over its programs' default cycles (a program's
     default is its tasks' occurrences x cycles). A kernel of a short program weighs more

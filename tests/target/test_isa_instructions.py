@@ -552,6 +552,12 @@ def test_vector_exp_sub_shifts_each_row_then_exponentiates(spec):
     assert c.tcm_read_bytes == c.tcm_write_bytes == x.nbytes + y.nbytes + p.nbytes
 
 
+def test_vector_exp_sub_without_its_shift_is_refused(spec):
+    # its imm is the scale, not a second operand (a binary op's may be)
+    with pytest.raises(InvalidProgramError, match="exp_sub takes 2"):
+        run_vector(spec, "exp_sub", [np.zeros((2, 64), np.float32)], imm=0.5)
+
+
 def test_every_vector_op_is_covered():
     tested = set(BINARY) | {"reduce_max", "reduce_sum", "exp", "rsqrt", "silu", "gelu",
                             "gelu_tanh", "cast", "exp_sub",

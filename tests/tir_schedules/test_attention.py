@@ -153,6 +153,7 @@ def test_append_then_decode_shares_the_cache_state(spec):
     (SMOLLM2, 48, 48, 48, 1, 2),           # tiles = the whole length
     (TINY_LLAMA, 77, 32, 16, 1, 2),
     (TINY_LLAMA, 77, 16, 32, 1, 2),        # KV tiles larger than q tiles
+    (TINY_LLAMA, 65, 48, 32, 1, 2),        # a last KV tile of one key, met by 17 rows
 ])
 def test_prefill_attention_causal(spec, shape, tokens, tile_q, tile_kv, rowsum_mma, slots_s):
     hq, hk, d = shape
@@ -260,23 +261,31 @@ def test_chunked_prefill_attention(spec, shape, chunk, max_pages, positions, row
     _check_row_sums(prog, hq * (chunk // 16) * (max_pages * P // 32), rowsum_mma)
 
 
-@pytest.mark.parametrize("shape,tokens,chunked,tile_q,tile_kv,rowsum_mma,positions", [
-    (SMOLLM2, 100, False, 32, 32, 1, (0,)),        # whole prompt, non-divisible length
-    (SMOLLM2, 64, False, 16, 32, 0, (0,)),         # the row sums on the vector unit
-    (TINY_LLAMA, 32, True, 16, 32, 1, (0, 14, 31, 46)),   # chunks at several positions
-])
+@pytest.mark.parametrize(
+    "shape,tokens,chunked,tile_q,tile_kv,rowsum_mma,positions,slots_kv,list_schedule", [
+        (SMOLLM2, 100, False, 32, 32, 1, (0,), 2, 1),    # whole prompt, non-divisible length
+        (SMOLLM2, 64, False, 16, 32, 0, (0,), 2, 1),     # the row sums on the vector unit
+        (TINY_LLAMA, 65, False, 48, 32, 1, (0,), 2, 1),  # a last KV tile of one key
+        # chunks at every position of a 96-token cache: a q tile's first row on a KV
+        # tile's first key (pos + q0 = c0, the resident loads' boundary) and either side
+        (TINY_LLAMA, 32, True, 16, 32, 1, range(0, 65), 2, 1),
+        # q tiles larger than KV tiles, one K/V slot (the next head's loads wait for this
+        # head's reads), the loop nest's order, the row sums on the vector unit
+        (TINY_LLAMA, 32, True, 32, 16, 0, (0, 15, 16, 17, 47, 48, 49, 64), 1, 0),
+    ])
 def test_two_pass_prefill_attention(spec, shape, tokens, chunked, tile_q, tile_kv,
-                                    rowsum_mma, positions):
+                                    rowsum_mma, positions, slots_kv, list_schedule):
     """``two_pass=1``: the first pass takes each row's max over every live KV tile, the
     second exponentiates with it (``exp_sub``) and sums: nothing is rescaled, and K and V
-    are loaded once per head, kept for its later q tiles. The scores
-    are large (a stale max, such as the first tile's, overflows P's fp16 into inf / NaN;
-    softmax is shift-invariant, so small scores would hide it)."""
+    are loaded once per head, kept for its later q tiles. The scores are large (a stale
+    max, such as the first tile's, overflows P's fp16 into inf / NaN; softmax is
+    shift-invariant, so small scores would hide it)."""
     hq, hk, d = shape
     max_pages = 6 if chunked else -(-tokens // P)
     lay, prog, k, v, pages = _prefill_program(
-        spec, shape, tokens, max_pages, tile_q=tile_q, tile_kv=tile_kv, slots_kv=2,
-        slots_s=2, rowsum_mma=rowsum_mma, chunked=chunked, two_pass=1, list_schedule=1)
+        spec, shape, tokens, max_pages, tile_q=tile_q, tile_kv=tile_kv, slots_kv=slots_kv,
+        slots_s=2, rowsum_mma=rowsum_mma, chunked=chunked, two_pass=1,
+        list_schedule=list_schedule)
     rng = np.random.default_rng(7)
     k = (k.astype(np.float32) * 6).astype(np.float16)
     ramp = np.linspace(0.2, 1.0, lay.page_tokens)[None, None, :, None]   # later keys larger
@@ -298,11 +307,17 @@ def test_two_pass_prefill_attention(spec, shape, tokens, chunked, tile_q, tile_k
         for cache in ("K_cache", "V_cache"):
             assert sum(isinstance(c, DmaLoad) and c.src.tensor == cache for c in ran) == \
                 hk * loaded, (cache, pos)
+        if chunked:       # masks once per live tile a mask changes, in the first pass only
+            masks = sum((c0 + tile_kv - 1 > pos + q0) + (c0 + tile_kv > length)
+                        for q0 in range(0, tokens, tile_q)
+                        for c0 in range(0, max_pages * P, tile_kv) if c0 < pos + q0 + tile_q)
+            assert sum(isinstance(c, Vector) and c.op == "mask" for c in ran) == masks * hq
         kk = gather_reference(k, pages, length)
         ref = _attention_ref(q, kk, gather_reference(v, pages, length), pos, hq // hk)
         scores = np.einsum("shd,hld->hsl", q.astype(np.float32),
                            np.repeat(kk.astype(np.float32), hq // hk, axis=0)) / np.sqrt(d)
-        assert np.ptp(scores) > 40          # the data exercises the max, as it claims
+        seen = np.arange(length)[None, :] <= pos + np.arange(tokens)[:, None]
+        assert np.ptp(scores[:, seen]) > 40     # the visible scores exercise the max
         _close(out, ref)
     vec = [c for c in prog.commands if isinstance(c, Vector)]
     # P from the scores in one command per tile and head, no S - m tile; the output is
@@ -312,7 +327,8 @@ def test_two_pass_prefill_attention(spec, shape, tokens, chunked, tile_q, tile_k
         sum(isinstance(c, Mma) and c.transpose_b for c in prog.commands)
     assert not any(c.op in ("sub", "exp") and c.dst.shape[1] == tile_kv for c in vec)
     assert not any(c.op == "mul" and c.dst == c.srcs[0] and c.dst.shape[1] == d for c in vec)
-    assert all(c.dst.dtype == "float16" for c in vec if c.op == "mul" and c.dst.shape[1] == d)
+    assert all(c.dst.dtype == "float16" for c in vec
+               if c.op == "mul" and c.dst.shape[1] == d and c.dst.shape[0] > 1)  # (not 1 / l)
 
 
 # -- list scheduling ----------------------------------------------------------------------
