@@ -156,6 +156,14 @@ _NEG_INF = float("-inf")
 _ANY = (-(1 << 20), 1 << 20)        # the domain of an iter var bound to a loop value
 
 
+def two_pass_bytes(tile_q: int, capacity: int, group: int, head_dim: int, *,
+                   slots_kv: int = 2, slots_s: int = 2) -> int:
+    """TCM bytes the two-pass prefill holds over a cache of ``capacity`` tokens:
+    ``slots_s`` copies of a q tile's fp32 scores for the ``group`` query heads of a KV
+    head, ``slots_kv`` copies of that KV head's K and V (fp16)."""
+    return (slots_s * group * tile_q * 4 + slots_kv * 2 * head_dim * 2) * capacity
+
+
 def kv_tile_candidates(page_tokens: int, capacity: int) -> list:
     """KV tile sizes: divisors of the page (>= 16 tokens) and multiples of it."""
     c = [t for t in (16, 32) if t < page_tokens and page_tokens % t == 0]

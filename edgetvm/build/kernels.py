@@ -26,6 +26,7 @@ from edgetvm.target.lowering import LIST_SCHEDULE_AUTO, lower_primfunc
 from edgetvm.tir_schedules.attention import ATTENTION_LOWERING
 from edgetvm.tir_schedules.attention import DECODE_REVISION, PREFILL_REVISION
 from edgetvm.tir_schedules.attention import schedule_decode_attention, schedule_prefill_attention
+from edgetvm.tir_schedules.attention import two_pass_bytes
 from edgetvm.tir_schedules.embedding import schedule_embedding
 from edgetvm.tir_schedules.fused import (FusionCluster, Stage, knob_names, lower_cluster,
                                          schedule_cluster)
@@ -356,7 +357,8 @@ def attention_default_knobs(phase: str, rows: int, pages: int, layout: KVCacheLa
     # kept for the head's q tiles): 229.5 k -> 177.3 k at 64 x 64, while those scores and
     # K and V (two slots each) take at most a quarter of the TCM
     tq = min(64, rows)
-    held = 2 * ((q_heads // layout.kv_heads) * tq * 4 + 2 * layout.head_dim * 2) * cap
+    held = two_pass_bytes(tq, cap, q_heads // layout.kv_heads, layout.head_dim,
+                          slots_kv=2, slots_s=2)
     return dict(tile_q=tq, tile_kv=tile, slots_kv=2, slots_s=2, rowsum_mma=1,
                 list_schedule=1, two_pass=int(held <= spec.tcm_bytes // 4))
 

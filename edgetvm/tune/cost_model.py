@@ -35,6 +35,7 @@ import math
 import numpy as np
 
 from edgetvm.target.emulator.costs import mma_shape_cycles, vector_shape_cycles
+from edgetvm.tir_schedules.attention import two_pass_bytes
 from edgetvm.tir_schedules.fused import KNOBS_SINCE
 
 #: template kinds, one-hot in the features
@@ -211,9 +212,6 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
         qk = heads * _mma(m, tt, d, spec)
         mat = qk + heads * (_mma(m, d, tt, spec) + (_mma(m, 1, tt, spec) if rowsum_mma else 0))
         vec = _vec(m, tt, spec, *score_ops) + (_vec(m, tt, spec, "mask") if masked else 0)
-        # the first pass's vector work (two passes): the max, and the masks and bias
-        vec_max = vec - _vec(m, tt, spec, "exp_sub") + (_vec(1, m, spec, "max") if not first
-                                                         else 0)
         if not rowsum_mma:
             vec += _vec(m, tt, spec, "reduce_sum") + (0 if first else _vec(1, m, spec, "add"))
         if not first and two_pass:     # the running max only: nothing is rescaled
@@ -229,10 +227,13 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
         # still bounds the tile where the MMAs outweigh the vector passes (tiny heads pad
         # to the array's native tile)
         compute = max(mat, vec) if piped else max(mat, vec + mat / heads)
-        if two_pass:         # the passes do not overlap each other: QK^T beside the max,
-            vec_max *= heads           # then the exponents beside the sums and P @ V;
+        if two_pass:         # the passes do not overlap each other: QK^T beside the max
+            # (and the masks and bias), then the exponents beside the sums and P @ V;
             # their score slots are per q tile, not per KV tile: in loop order a head's
             # max waits for its QK^T, its MMAs for its exponents (as unpipelined)
+            vec_max = heads * (_vec(m, tt, spec, *score_ops) - _vec(m, tt, spec, "exp_sub") +
+                               (_vec(m, tt, spec, "mask") if masked else 0) +
+                               (0 if first else _vec(1, m, spec, "max")))
             compute = max(qk, vec_max) + max(mat - qk, vec - vec_max) if listed else \
                 max(mat, vec + mat / heads)
         est["serial"] += n * (mat + vec + kv_cycles)
@@ -423,8 +424,8 @@ def features(task, knobs: dict, spec) -> np.ndarray:
         if knobs.get("two_pass"):
             # one KV head's K and V over the cache, the q tile's scores for its query heads
             # over the cache; every KV tile loaded once
-            tcm = knobs["slots_kv"] * 2 * cap * hd * 2 + \
-                knobs["slots_s"] * tq * cap * max(1, hq // hk) * 4
+            tcm = two_pass_bytes(tq, cap, max(1, hq // hk), hd, slots_kv=knobs["slots_kv"],
+                                 slots_s=knobs["slots_s"])
             loads = 1
         else:
             tcm = knobs["slots_kv"] * 2 * tkv * hk * hd * 2 + knobs["slots_s"] * tq * tkv * hq * 4
