@@ -49,6 +49,18 @@ Knobs (sampling instructions; ``None`` samples):
     vector unit normalises tile ``r``; 0 (and a knob set from before it) keeps the loop
     nest's order. A build's default knobs take the order the lowering's plan estimates
     faster (2, ``LIST_SCHEDULE_AUTO``) and record it as 0 or 1;
+``resident_w`` (clusters with matmuls)
+    1 loads every matmul's weights (packed codes, scales, zero points) whole, once per
+    kernel, into TCM buffers that stay for the whole kernel; each MMA reads its
+    ``(j0, k0)`` tile out of them. 0 streams each weight tile into ``slots_w`` copies per
+    row tile, so a kernel of ``r`` row tiles reads its weights ``r`` times from DRAM.
+    Resident weights take the TCM of all of them at once, and a stage's first MMA waits
+    for its whole weight (list-scheduled, the next stages' weights load under the first
+    stage's MMAs); in exchange every row tile after the first moves no weight byte, which
+    saves the DRAM energy of the re-reads as well as their bus time (SmolLM2's W4A16
+    prefill-512 layer at 128-row tiles: 11.7 MB of DRAM traffic, 8 MB of it weights read
+    four times). ``slots_w`` does not apply to resident weights. A knob set without it
+    lowers with 0 (:data:`KNOBS_SINCE`);
 ``<stage>.tile_n``, ``<stage>.tile_k``, ``<stage>.slots_w``, ``<stage>.slots_c``
     per matmul stage: output/reduction tile, weight-tile copies, accumulator-tile copies.
 """
@@ -197,7 +209,7 @@ def _analyse(func, blocks) -> tuple:
 
 #: knobs added after logs were written, and the value a knob set without one lowers with
 #: (as it was lowered before the knob existed): a log's old records replay unchanged
-KNOBS_SINCE = {"tcm_fresh": 0, "list_schedule": 0}
+KNOBS_SINCE = {"tcm_fresh": 0, "list_schedule": 0, "resident_w": 0}
 
 
 def knob_names(func) -> tuple:
@@ -209,23 +221,26 @@ def knob_names(func) -> tuple:
     names = ["tile_m"] + (["tile_n"] if elementwise else [])
     names += [f"slots_{n}" for n, (role, _, _) in roles.items() if role == "row"]
     names += ["slots_out", "dma_split", "tcm_fresh", "list_schedule"]
-    for _, b in blocks:
-        if _op_of(b) == "mma":
-            stage = b.name_hint[:-len("_acc")]
-            names += [f"{stage}.{k}" for k in MATMUL_KNOBS]
+    stages = [b.name_hint[:-len("_acc")] for _, b in blocks if _op_of(b) == "mma"]
+    if stages:
+        names.append("resident_w")
+    for stage in stages:
+        names += [f"{stage}.{k}" for k in MATMUL_KNOBS]
     return tuple(names)
 
 
 def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=None,
                      dma_split=None, tcm_fresh=KNOBS_SINCE["tcm_fresh"],
-                     list_schedule=KNOBS_SINCE["list_schedule"], matmul=None):
+                     list_schedule=KNOBS_SINCE["list_schedule"],
+                     resident_w=KNOBS_SINCE["resident_w"], matmul=None):
     """Schedule a row-local PrimFunc (``FusionCluster.prim_func()`` or a
     ``workloads`` row op) in place; see the module docstring for the knobs
     (:func:`knob_names` lists them in sampling order).
 
     ``slots_in``: one value for every streamed input, or a dict name -> value;
     ``matmul``: dict stage name -> dict(tile_n=, tile_k=, slots_w=, slots_c=);
-    ``tcm_fresh``, ``list_schedule``: 0 unless given (None samples them, as the others).
+    ``tcm_fresh``, ``list_schedule``, ``resident_w``: 0 unless given (None samples them,
+    as the others).
     """
     func = sch.mod["main"]
     root = sch.get_sblock("root")
@@ -245,10 +260,19 @@ def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=
     sch.annotate(root, "npu.dma_split", knob(sch, dma_split, [0, 1], "dma_split"))
     sch.annotate(root, "npu.tcm_fresh", knob(sch, tcm_fresh, [0, 1], "tcm_fresh"))
     sch.annotate(root, "npu.list_schedule", knob(sch, list_schedule, [0, 1], "list_schedule"))
+    resident = any(_op_of(b) == "mma" for _, b in blocks) and \
+        bool(int(sch.get(knob(sch, resident_w, [0, 1], "resident_w"))))
 
-    # 1. TCM placement: inputs DMA'd in, intermediates in TCM, outputs staged in TCM
+    # 1. TCM placement: inputs DMA'd in, intermediates in TCM, outputs staged in TCM.
+    # A load block lands at the head of the root: resident weights are read last, in
+    # reverse, so that they come first and in stage order (each load's DMA issues in the
+    # order its MMAs need it)
+    order = list(roles.items())
+    if resident:
+        order = [r for r in order if r[1][0] != "weight"] + \
+            [r for r in reversed(order) if r[1][0] == "weight"]
     loads = {}                                   # load block name -> (param, role)
-    for name, (role, rv, idx) in roles.items():
+    for name, (role, rv, idx) in order:
         ld = sch.cache_read(rv, idx, TCM)
         loads[sch.get(ld).name_hint] = (name, role)
     stores = {}                                  # store block name -> producer block name
@@ -305,7 +329,8 @@ def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=
         writes_output = name in stores.values()
         if op == "mma":
             done |= _schedule_matmul_stage(sch, rv, loops[depth:], loads, stores,
-                                           matmul.get(name[:-len("_acc")], {}), so)
+                                           matmul.get(name[:-len("_acc")], {}), so,
+                                           resident)
         elif op in W.ROPE_OPS:
             head_dim = int(blk.annotations["npu.head_dim"])
             h, d = sch.split(loops[depth + 1], [None, head_dim])
@@ -326,9 +351,20 @@ def _first_loop_below(sch, block, anchor):
     return loops[at + 1]
 
 
-def _schedule_matmul_stage(sch, blk, loops, loads, stores, knobs: dict, slots_out) -> set:
+def _check_before(sch, load, consumer) -> None:
+    """A resident weight's load block must precede the MMA that reads it among the root's
+    blocks (program order): the lowering orders DMAs and their readers by it."""
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    ld, mma = sch.get(load).name_hint, sch.get(consumer).name_hint
+    if ld not in names or mma not in names or names.index(ld) > names.index(mma):
+        raise CandidateRejected(f"resident weights: the load {ld} does not precede {mma}")
+
+
+def _schedule_matmul_stage(sch, blk, loops, loads, stores, knobs: dict, slots_out,
+                           resident: bool = False) -> set:
     """Tile one matmul of a cluster (``i1, j, k`` under the row loop) like
-    ``gemm.schedule_matmul``; returns the names of the blocks it scheduled."""
+    ``gemm.schedule_matmul``; returns the names of the blocks it scheduled. ``resident``:
+    its weight loads stay at the root (one DMA each, before the row loop)."""
     info = sch.get(blk)
     i1, j, k = loops
     n_ext, k_ext = int(sch.get(j).extent), int(sch.get(k).extent)
@@ -352,6 +388,11 @@ def _schedule_matmul_stage(sch, blk, loops, loads, stores, knobs: dict, slots_ou
         ld = [b for b in ld if sch.get(b).name_hint in loads and
               sch.get(b).writes[0].source.same_as(r.source)]
         if not ld:
+            continue
+        if resident:
+            _check_before(sch, ld[0], blk)
+            annotate_op(sch, sch.get_loops(ld[0])[0], "dma")
+            scheduled.add(sch.get(ld[0]).name_hint)
             continue
         sch.compute_at(ld[0], k0)
         annotate_op(sch, _first_loop_below(sch, ld[0], k0), "dma", slots=sw)

@@ -50,7 +50,7 @@ FEATURES = (
     "log_tile_q", "log_tile_kv", "kv_tiles", "slots_kv", "slots_s", "rowsum_mma",
     "two_pass", "clusters", "log_cut_bytes", "max_cluster_ops", "max_cluster_w_frac", "mm_clusters",
     "log_est_mma", "log_est_wdma", "log_est_act", "log_est_vec", "log_est_serial",
-    "log_est_overlap", "prior", "tile_m_frac", "tcm_fresh", "list_schedule",
+    "log_est_overlap", "prior", "tile_m_frac", "tcm_fresh", "list_schedule", "resident_w",
 ) + tuple(f"mm{i}_{k}" for i in range(4) for k in (
     "log_tile_n", "log_tile_k", "tile_n_frac", "tile_k_frac", "slots_w", "slots_c")
 ) + tuple(f"kind_{k}" for k in KINDS)
@@ -103,8 +103,11 @@ def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
     ``serial`` (no unit overlaps another) and ``overlap`` (each matmul's weight stream
     hidden under its MMAs where it has two weight slots, the activations' under the
     compute where they have two slots; list-scheduled with several row tiles, the vector
-    stages of one tile under the matrix work of the others). The emulator decides; this
-    only tells the cost model where to start (its prior)."""
+    stages of one tile under the matrix work of the others). With resident weights
+    (``resident_w``) each weight is one DMA per kernel, not one per tile and row tile: the
+    first stage's waits before its MMAs, the others' load under the compute of the first
+    row tile. The emulator decides; this only tells the cost model where to start (its
+    prior)."""
     rows = sh.get("rows", 1)
     tm = knobs.get("tile_m", rows)
     bw, setup, lanes = spec.dram_bytes_per_cycle, spec.dma_setup_cycles, spec.vector_lanes
@@ -117,7 +120,11 @@ def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
                overlap=float(spec.launch_cycles))
     row_vec = _row_vector_cycles(sh, spec)
     listed = knobs.get("list_schedule", 0) and tm < rows
+    resident = bool(knobs.get("resident_w", KNOBS_SINCE["resident_w"]))
+    whole = [_weight_dma(n, k, group, spec)           # each weight in one DMA
+             for _, (n, k, group) in sorted(sh["matmuls"].items())]
     matrix_side = vector_side = fill = 0.0         # over the row tiles, list-scheduled
+    first_tile = None                              # the first row tile's compute
     for m, cm in _splits(rows, tm):
         act = (act_bytes * m / rows) / bw + setup * (len(sh["row_bytes"]) + 1)
         stage_vec = m * row_vec
@@ -131,12 +138,9 @@ def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
             c_mma = c_dma = c_vec = 0.0
             for a, ca in _splits(n, kn.get("tile_n", n)):
                 for b, cb in _splits(k, kn.get("tile_k", k)):
-                    if group:
-                        wb, dmas = a * b / 2 + a * (b // group) * 4, 3
-                    else:
-                        wb, dmas = a * b * 2, 1
                     c_mma += ca * cb * mma_shape_cycles(m, a, b, kind, spec)
-                    c_dma += ca * cb * (wb / bw + setup * dmas)
+                    if not resident:
+                        c_dma += ca * cb * _weight_dma(a, b, group, spec)
                 c_vec += ca * m * -(-a // lanes)          # the cast of each j0 tile
             est["mma"] += cm * c_mma
             est["wdma"] += cm * c_dma
@@ -152,10 +156,25 @@ def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
         matrix_side += cm * matrix_part
         vector_side += cm * (vector_part + stage_vec)
         fill = max(fill, stage_vec)
+        first_tile = compute if first_tile is None else first_tile
     if listed:
         est["overlap"] = min(est["overlap"], float(spec.launch_cycles) +
                              max(matrix_side, vector_side) + fill)
+    if resident and whole:
+        est["wdma"] = float(sum(whole))
+        est["serial"] += sum(whole)
+        est["overlap"] += whole[0] + max(0.0, sum(whole[1:]) - (first_tile or 0.0))
     return est
+
+
+def _weight_dma(a: int, b: int, group: int, spec) -> float:
+    """Bus cycles (bytes over the DRAM rate, a set-up per DMA) of an ``a x b`` weight tile:
+    fp16, or W4A16 codes and their group scales (``group``)."""
+    if group:
+        wb, dmas = a * b / 2 + a * (b // group) * 4, 3
+    else:
+        wb, dmas = a * b * 2, 1
+    return wb / spec.dram_bytes_per_cycle + spec.dma_setup_cycles * dmas
 
 
 def _mma(m: int, n: int, k: int, spec) -> int:
@@ -353,18 +372,21 @@ def features(task, knobs: dict, spec) -> np.ndarray:
         w_bytes = w_dram = dma = macs = w_tiles = 0.0
         sw = sc = tnf = tkf = 0.0
         mm = knobs.get("matmul", {})
+        rw = int(knobs.get("resident_w", KNOBS_SINCE["resident_w"]))
+        loads = 1 if rw else tiles                # how often the weights cross the bus
         for i, (stage, (n, k, group)) in enumerate(sorted(sh["matmuls"].items())):
             kn = mm.get(stage, {})
             tn, tk = kn.get("tile_n", n), kn.get("tile_k", k)
             per_w = 0.5 if group else 2.0
             wb = n * k * per_w + (n * (k // group) * 4 if group else 0)
             w_bytes += wb
-            w_dram += wb * tiles                      # weights re-read per row tile
+            w_dram += wb * loads                      # weights re-read per row tile
             nt = math.ceil(n / tn) * math.ceil(k / tk)
             w_tiles += nt * tiles
-            dma += nt * tiles * (3 if group else 1)
+            dma += (1 if rw else nt * tiles) * (3 if group else 1)
             macs += rows * n * k
-            tcm += kn.get("slots_w", 1) * tn * tk * per_w + kn.get("slots_c", 1) * tm * tn * 4
+            tcm += (wb if rw else kn.get("slots_w", 1) * tn * tk * per_w) + \
+                kn.get("slots_c", 1) * tm * tn * 4
             if i < 4:       # the knobs themselves, per matmul in stage order
                 f.update({f"mm{i}_log_tile_n": _l(tn), f"mm{i}_log_tile_k": _l(tk),
                           f"mm{i}_tile_n_frac": tn / n, f"mm{i}_tile_k_frac": tk / k,
@@ -378,7 +400,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
         dma += tiles * (len(sh["row_bytes"]) + 1)
         dram = act + w_dram + rows * 2
         f.update(log_act_bytes=_l(act), log_weight_bytes=_l(w_bytes), log_weight_dram=_l(w_dram),
-                 weight_rereads=tiles if w_bytes else 0.0, log_dma_count=_l(dma),
+                 weight_rereads=loads if w_bytes else 0.0, log_dma_count=_l(dma),
                  log_mean_dma=_l(dram / max(1.0, dma)), log_tcm=_l(tcm),
                  tcm_frac=tcm / spec.tcm_bytes, log_macs=_l(macs),
                  log_intensity=_l(macs / max(1.0, dram)), log_w_tiles=_l(w_tiles),
@@ -386,7 +408,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  slots_w=sw / nm, slots_c=sc / nm, dma_split=knobs.get("dma_split", 0),
                  tcm_fresh=knobs.get("tcm_fresh", KNOBS_SINCE["tcm_fresh"]),
                  list_schedule=knobs.get("list_schedule", KNOBS_SINCE["list_schedule"]),
-                 matmuls=len(sh["matmuls"]), w4=float(any(sh["quant"])))
+                 resident_w=rw, matmuls=len(sh["matmuls"]), w4=float(any(sh["quant"])))
         if sh["matmuls"]:
             est = cluster_estimate(sh, knobs, spec)
             f.update({f"log_est_{k}": _l(v) for k, v in est.items()})

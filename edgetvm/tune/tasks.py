@@ -227,20 +227,29 @@ class Task:
         stages under the next one's projections, and one-knob moves from the defaults
         rarely reach it: a row tile pays off with the other order and other matmul tiles
         at once (SmolLM2's W4A16 prefill-512 layer: 128-row tiles list-scheduled, 0.951 M
-        cycles, found by these seeds; 1.005 M the best of the tuning runs before them)."""
+        cycles, found by these seeds; 1.005 M the best of the tuning runs before them).
+        List-scheduled rungs of several row tiles come once more with their weights
+        resident (``resident_w``), which takes the re-reads away from small row tiles."""
         if self.kind != "cluster" or "matmuls" not in self.shape:
             return []
         out, keys = [], set()
-        for kn in default_knobs(self.shape["rows"], self.shape["matmuls"]):
+        rows = self.shape["rows"]
+        for kn in default_knobs(rows, self.shape["matmuls"]):
             for ls in self.space.get("list_schedule", (KNOBS_SINCE["list_schedule"],)):
-                # a rung's value the space lacks (a tile_k of 80 where the space has 64
-                # and 160) becomes the space's largest value below it
-                p = {k: _snap(v, self.space[k])
-                     for k, v in self.flatten({**kn, "list_schedule": ls}).items()}
-                key = tuple(sorted(p.items()))
-                if key not in keys:
-                    keys.add(key)
-                    out.append(p)
+                # list-scheduled with several row tiles, each rung also with its weights
+                # resident (read once, not once per row tile)
+                resident = [KNOBS_SINCE["resident_w"]] + (
+                    [1] if ls and kn["tile_m"] < rows and
+                    1 in self.space.get("resident_w", ()) else [])
+                for rw in resident:
+                    # a rung's value the space lacks (a tile_k of 80 where the space has
+                    # 64 and 160) becomes the space's largest value below it
+                    p = {k: _snap(v, self.space[k]) for k, v in self.flatten(
+                        {**kn, "list_schedule": ls, "resident_w": rw}).items()}
+                    key = tuple(sorted(p.items()))
+                    if key not in keys:
+                        keys.add(key)
+                        out.append(p)
         return out
 
     def neighbours(self, point: dict) -> list:
@@ -285,7 +294,7 @@ def cluster_space(cluster) -> tuple:
     func = cluster.prim_func()
     names = knob_names(func)
     probe = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
-    schedule_cluster(probe, tcm_fresh=None, list_schedule=None)
+    schedule_cluster(probe, tcm_fresh=None, list_schedule=None, resident_w=None)
     space = knob_space(probe, names)
     matmuls = cluster_matmuls(cluster)
     shape = dict(rows=cluster_rows(cluster), matmuls=matmuls,

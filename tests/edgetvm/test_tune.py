@@ -19,8 +19,8 @@ from edgetvm.target.emulator import Emulator
 from edgetvm.target.spec import load_spec, spec_from_dict
 from edgetvm.tune.cli import select_keys, tune
 from edgetvm.tune.cli import main as tune_main
-from edgetvm.tune.cost_model import (PRIOR, CostModel, attention_estimate, cluster_estimate,
-                                     features, prior)
+from edgetvm.tune.cost_model import (FEATURES, PRIOR, CostModel, attention_estimate,
+                                     cluster_estimate, features, prior)
 from edgetvm.tune.log import (FAILED, OK, REJECTED, Replay, TuningLog, canonical_knobs,
                               log_context, workload_hash)
 from edgetvm.build.measure import measure_kernel
@@ -473,6 +473,39 @@ def test_the_prior_charges_the_vector_stages_and_what_list_scheduling_hides():
     assert est(128, 1)["serial"] == est(128, 0)["serial"]
 
 
+def test_the_prior_and_features_read_resident_weights_once():
+    """``resident_w=1``: the estimate charges each weight one DMA per kernel (the W4A16
+    codes and scales of all three matmuls, whole), not one per tile and row tile, and the
+    features see the weights cross the bus once and take their whole size in the TCM; the
+    MMAs are the same. With one row tile the bytes are the same either way."""
+    from edgetvm.tir_schedules import fused
+    from edgetvm.tune.tasks import cluster_space
+    spec = load_spec("edge-npu-16mb")
+    space, sh = cluster_space(fused.mlp_cluster(512, 576, 1536, 32))
+    assert space["resident_w"] == [0, 1]
+    mm = {s: dict(tile_n=256, tile_k=576, slots_w=2, slots_c=2) for s in ("gate", "up", "down")}
+    mm["down"]["tile_k"] = 512
+
+    def est(tm, rw):
+        return cluster_estimate(sh, dict(tile_m=tm, slots_in=2, slots_out=2, list_schedule=1,
+                                         resident_w=rw, matmul=mm), spec)
+    whole = 3 * (576 * 1536 / 2 + 1536 * 576 // 32 * 4) / spec.dram_bytes_per_cycle + \
+        3 * 3 * spec.dma_setup_cycles
+    assert est(128, 1)["wdma"] == pytest.approx(whole)
+    assert est(128, 0)["wdma"] > 4 * whole                # per row tile, per tile set-ups
+    assert est(128, 1)["mma"] == est(128, 0)["mma"]
+    assert est(128, 1)["serial"] < est(128, 0)["serial"]
+    task = type("T", (), {"kind": "cluster", "shape": sh,
+                          "default_knobs": dict(tile_m=512, matmul=mm)})()
+    f = {rw: dict(zip(FEATURES, features(task, dict(
+        tile_m=128, slots_in=2, slots_out=2, list_schedule=1, resident_w=rw, matmul=mm), spec)))
+        for rw in (0, 1)}
+    assert f[1]["resident_w"] == 1 and f[0]["resident_w"] == 0
+    assert (f[0]["weight_rereads"], f[1]["weight_rereads"]) == (4, 1)
+    assert f[0]["log_weight_dram"] == pytest.approx(f[1]["log_weight_dram"] + 2, abs=0.01)
+    assert f[1]["tcm_frac"] > f[0]["tcm_frac"]
+
+
 def test_replay_builds_identical_bytes_with_the_logged_knobs_and_latency(tuned, tmp_path):
     d, rep = tuned
     a, b, plain = tmp_path / "a.npu", tmp_path / "b.npu", tmp_path / "plain.npu"
@@ -856,7 +889,8 @@ def test_baselines_are_measured_only_for_tasks_the_budget_tunes(tmp_path, mc):
 def test_a_clusters_default_ladder_is_measured_in_both_orders_before_the_models_picks(
         tmp_path, mc):
     """Tuner._propose: a cluster's first batches start with its seeds, the build's default
-    knob sets per row tile (16 rows, then 8, ...) in either order, at most half a batch
+    knob sets per row tile (16 rows, then 8, ...) in either order (list-scheduled ones of
+    several row tiles also with resident weights), at most half a batch
     each round, never one already measured; then the model's picks fill the batch."""
     from edgetvm.npu_regions import default_knobs
     t = next(t for t in extract_tasks(mc, [("prefill", 16, 1)])
@@ -864,8 +898,10 @@ def test_a_clusters_default_ladder_is_measured_in_both_orders_before_the_models_
     seeds = t.seeds()
     ladder = default_knobs(16, t.shape["matmuls"])
     assert len(ladder) == 4 and [kn["tile_m"] for kn in ladder] == [16, 16, 8, 4]
-    assert sorted((p["tile_m"], p["list_schedule"]) for p in seeds) == sorted(
-        (kn["tile_m"], ls) for kn in ladder for ls in (0, 1))
+    # list-scheduled rungs of several row tiles once more with their weights resident
+    assert sorted((p["tile_m"], p["list_schedule"], p["resident_w"]) for p in seeds) == \
+        sorted([(kn["tile_m"], ls, 0) for kn in ladder for ls in (0, 1)] +
+               [(kn["tile_m"], 1, 1) for kn in ladder if kn["tile_m"] < 16])
     assert all(t.to_point(t.to_knobs(p)) == p for p in seeds)       # all in the space
     # each the matmul tiles of its rung (the space's value at or just below), not the
     # defaults': the 8-row rung's down projection takes a quarter of k = 160

@@ -271,12 +271,12 @@ def test_random_knob_samples_lower_and_match(which):
     streamed = ["slots_x"] if which == "mlp" else ["slots_x", "slots_cos", "slots_sin"]
     stages = MLP if which == "mlp" else QKV
     assert names == tuple(["tile_m"] + streamed + ["slots_out", "dma_split", "tcm_fresh",
-                                                   "list_schedule"] +
+                                                   "list_schedule", "resident_w"] +
                           [f"{s}.{k}" for s in stages for k in fused.MATMUL_KNOBS])
     lowered = 0
     for seed in (21, 22, 23, 24):
         sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=seed)
-        fused.schedule_cluster(sch, tcm_fresh=None, list_schedule=None)
+        fused.schedule_cluster(sch, tcm_fresh=None, list_schedule=None, resident_w=None)
         try:
             program = fused.lower_cluster(cluster, sch, SPEC, d)
         except CandidateRejected:
@@ -284,6 +284,55 @@ def test_random_knob_samples_lower_and_match(which):
         _check(Emulator(SPEC).run(program, _inputs(cluster, d)).outputs, ref_fn(d))
         lowered += 1
     assert lowered >= 1
+
+
+@pytest.mark.parametrize("list_schedule,tcm_fresh,dma_split", [(0, 0, 1), (1, 1, 1), (1, 0, 0)])
+def test_resident_weights_are_read_from_dram_once(list_schedule, tcm_fresh, dma_split):
+    """``resident_w=1``: every weight tensor (codes, scales, zero points) is one DMA of its
+    whole self, before the row loop, and each MMA reads its tile out of it. Three row tiles
+    (the last ragged), several K tiles per stage: the same numbers as the weights streamed
+    per tile, and the DRAM reads are the input rows plus each weight exactly once, where
+    streaming reads the weights once per row tile. A weight loaded after its MMAs, a tile
+    read at the wrong offset of the resident buffer, or resident buffers sharing bytes
+    with the row tiles' would each give other numbers."""
+    from edgetvm.target.isa import DmaLoad
+    m = 40
+    cluster = fused.mlp_cluster(m, HIDDEN, INTER, GROUP, zeros="uint8")
+    d = _data(cluster, seed=6)
+    knobs = dict(tile_m=16, slots_in=2, slots_out=2, dma_split=dma_split,
+                 tcm_fresh=tcm_fresh, list_schedule=list_schedule,
+                 matmul={"gate": dict(tile_n=512, tile_k=192, slots_w=2, slots_c=2),
+                         "up": dict(tile_n=384, tile_k=288, slots_w=1, slots_c=1),
+                         "down": dict(tile_n=192, tile_k=512, slots_w=2, slots_c=1)})
+    runs = {}
+    for rw in (0, 1):
+        program = _lower(cluster, d, resident_w=rw, **knobs)
+        runs[rw] = program, Emulator(SPEC).run(program, _inputs(cluster, d))
+        _check(runs[rw][1].outputs, _mlp_ref(d))
+    np.testing.assert_allclose(runs[1][1].outputs["down"].astype(F32),
+                               runs[0][1].outputs["down"].astype(F32), rtol=0, atol=0)
+    program, r = runs[1]
+    consts = {t.name: t.nbytes for t in program.tensors_of("const")}
+    loads = [c for c in program.commands if isinstance(c, DmaLoad) and c.src.tensor in consts]
+    assert sorted(c.src.tensor for c in loads) == sorted(consts)      # one DMA each
+    weights = sum(consts.values())
+    x_bytes = m * HIDDEN * 2
+    assert r.counters.dram_read_bytes == x_bytes + weights
+    assert runs[0][1].counters.dram_read_bytes == x_bytes + 3 * weights
+    if not list_schedule:         # the loop nest's order: the weights in stage order
+        order = [c.src.tensor for c in loads]
+        assert order.index("gate_w") < order.index("up_w") < order.index("down_w")
+
+
+def test_resident_weights_that_do_not_fit_are_refused_naming_them():
+    cluster, d = _fp16_mlp(64)
+    knobs = dict(tile_m=16, slots_in=2, slots_out=2, dma_split=1,
+                 matmul=_mm(MLP, tile_n=256, tile_k=576, slots_w=2, slots_c=2))
+    knobs["matmul"]["down"]["tile_k"] = 512
+    small = SPEC.replace(tcm_bytes=4 << 20)        # 3 x 1.7 MB of fp16 weights do not fit
+    _lower(cluster, d, spec=small, resident_w=0, **knobs)
+    with pytest.raises(CandidateRejected, match=r"TCM overflow.*gate_w_global\.tcm"):
+        _lower(cluster, d, spec=small, resident_w=1, **knobs)
 
 
 def _fp16_mlp(m):
