@@ -260,8 +260,9 @@ def schedule_cluster(sch, *, tile_m=None, tile_n=None, slots_in=None, slots_out=
     sch.annotate(root, "npu.dma_split", knob(sch, dma_split, [0, 1], "dma_split"))
     sch.annotate(root, "npu.tcm_fresh", knob(sch, tcm_fresh, [0, 1], "tcm_fresh"))
     sch.annotate(root, "npu.list_schedule", knob(sch, list_schedule, [0, 1], "list_schedule"))
-    resident = any(_op_of(b) == "mma" for _, b in blocks) and \
-        bool(int(sch.get(knob(sch, resident_w, [0, 1], "resident_w"))))
+    resident = False
+    if any(_op_of(b) == "mma" for _, b in blocks):          # a knob of matmul clusters only
+        resident = bool(int(sch.get(knob(sch, resident_w, [0, 1], "resident_w"))))
 
     # 1. TCM placement: inputs DMA'd in, intermediates in TCM, outputs staged in TCM.
     # A load block lands at the head of the root: resident weights are read last, in

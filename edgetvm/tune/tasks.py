@@ -167,7 +167,9 @@ class Task:
 
     # -- the knob space --------------------------------------------------------------------
     def to_knobs(self, point: dict) -> dict:
-        """A flat point of :attr:`space` in the template's keyword form."""
+        """A flat point of :attr:`space` in the template's keyword form. Resident weights
+        have no weight-tile copies: their ``slots_w`` is written as 1, so that points
+        differing only there are one knob set (measured once)."""
         if self.kind != "cluster":
             return dict(point)
         knobs: dict = {"slots_in": {}, "matmul": {}}
@@ -179,6 +181,9 @@ class Task:
                 knobs["slots_in"][name[len("slots_"):]] = int(v)
             else:
                 knobs[name] = int(v)
+        if knobs.get("resident_w"):
+            for kn in knobs["matmul"].values():
+                kn["slots_w"] = 1
         return knobs
 
     def flatten(self, knobs: dict) -> dict:
@@ -244,8 +249,9 @@ class Task:
                 for rw in resident:
                     # a rung's value the space lacks (a tile_k of 80 where the space has
                     # 64 and 160) becomes the space's largest value below it
-                    p = {k: _snap(v, self.space[k]) for k, v in self.flatten(
-                        {**kn, "list_schedule": ls, "resident_w": rw}).items()}
+                    p = self.flatten(self.to_knobs({k: _snap(v, self.space[k]) for k, v in
+                                                    self.flatten({**kn, "list_schedule": ls,
+                                                                  "resident_w": rw}).items()}))
                     key = tuple(sorted(p.items()))
                     if key not in keys:
                         keys.add(key)

@@ -903,6 +903,14 @@ def test_a_clusters_default_ladder_is_measured_in_both_orders_before_the_models_
         sorted([(kn["tile_m"], ls, 0) for kn in ladder for ls in (0, 1)] +
                [(kn["tile_m"], 1, 1) for kn in ladder if kn["tile_m"] < 16])
     assert all(t.to_point(t.to_knobs(p)) == p for p in seeds)       # all in the space
+    # resident weights have no weight-tile copies: points that differ only there are one
+    # knob set, measured once
+    res = next(p for p in seeds if p["resident_w"])
+    other = {**res, **{k: 2 for k in res if k.endswith(".slots_w")}}
+    assert all(res[k] == 1 for k in res if k.endswith(".slots_w")) and other != res
+    assert canonical_knobs(t.to_knobs(other)) == canonical_knobs(t.to_knobs(res))
+    assert canonical_knobs(t.to_knobs({**other, "resident_w": 0})) != \
+        canonical_knobs(t.to_knobs({**res, "resident_w": 0}))
     # each the matmul tiles of its rung (the space's value at or just below), not the
     # defaults': the 8-row rung's down projection takes a quarter of k = 160
     eight = next(p for p in seeds if p["tile_m"] == 8)
