@@ -497,13 +497,16 @@ def test_the_prior_and_features_read_resident_weights_once():
     assert est(128, 1)["serial"] < est(128, 0)["serial"]
     task = type("T", (), {"kind": "cluster", "shape": sh,
                           "default_knobs": dict(tile_m=512, matmul=mm)})()
-    f = {rw: dict(zip(FEATURES, features(task, dict(
-        tile_m=128, slots_in=2, slots_out=2, list_schedule=1, resident_w=rw, matmul=mm), spec)))
-        for rw in (0, 1)}
+    def feats(tm, rw):
+        return dict(zip(FEATURES, features(task, dict(
+            tile_m=tm, slots_in=2, slots_out=2, list_schedule=1, resident_w=rw, matmul=mm),
+            spec)))
+    f = {rw: feats(128, rw) for rw in (0, 1)}
     assert f[1]["resident_w"] == 1 and f[0]["resident_w"] == 0
     assert (f[0]["weight_rereads"], f[1]["weight_rereads"]) == (4, 1)
     assert f[0]["log_weight_dram"] == pytest.approx(f[1]["log_weight_dram"] + 2, abs=0.01)
     assert f[1]["tcm_frac"] > f[0]["tcm_frac"]
+    assert feats(512, 0)["log_weight_dram"] == feats(512, 1)["log_weight_dram"]
 
 
 def test_replay_builds_identical_bytes_with_the_logged_knobs_and_latency(tuned, tmp_path):
