@@ -167,14 +167,17 @@ def cluster_estimate(sh: dict, knobs: dict, spec) -> dict:
     return est
 
 
+def _weight_bytes(a: int, b: int, group: int) -> float:
+    """Bytes of an ``a x b`` weight tile: fp16, or W4A16 codes and their group scales
+    (``group``)."""
+    return a * b / 2 + a * (b // group) * 4 if group else a * b * 2
+
+
 def _weight_dma(a: int, b: int, group: int, spec) -> float:
-    """Bus cycles (bytes over the DRAM rate, a set-up per DMA) of an ``a x b`` weight tile:
-    fp16, or W4A16 codes and their group scales (``group``)."""
-    if group:
-        wb, dmas = a * b / 2 + a * (b // group) * 4, 3
-    else:
-        wb, dmas = a * b * 2, 1
-    return wb / spec.dram_bytes_per_cycle + spec.dma_setup_cycles * dmas
+    """Bus cycles of an ``a x b`` weight tile: its bytes over the DRAM rate, a set-up per
+    DMA (codes, scales and zero points are one each)."""
+    return _weight_bytes(a, b, group) / spec.dram_bytes_per_cycle + \
+        spec.dma_setup_cycles * (3 if group else 1)
 
 
 def _mma(m: int, n: int, k: int, spec) -> int:
@@ -378,7 +381,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
             kn = mm.get(stage, {})
             tn, tk = kn.get("tile_n", n), kn.get("tile_k", k)
             per_w = 0.5 if group else 2.0
-            wb = n * k * per_w + (n * (k // group) * 4 if group else 0)
+            wb = _weight_bytes(n, k, group)
             w_bytes += wb
             w_dram += wb * loads                      # weights re-read per row tile
             nt = math.ceil(n / tn) * math.ceil(k / tk)

@@ -249,9 +249,9 @@ class Task:
                 for rw in resident:
                     # a rung's value the space lacks (a tile_k of 80 where the space has
                     # 64 and 160) becomes the space's largest value below it
-                    p = self.flatten(self.to_knobs({k: _snap(v, self.space[k]) for k, v in
-                                                    self.flatten({**kn, "list_schedule": ls,
-                                                                  "resident_w": rw}).items()}))
+                    rung = self.flatten({**kn, "list_schedule": ls, "resident_w": rw})
+                    snapped = {k: _snap(v, self.space[k]) for k, v in rung.items()}
+                    p = self.flatten(self.to_knobs(snapped))   # resident: slots_w as 1
                     key = tuple(sorted(p.items()))
                     if key not in keys:
                         keys.add(key)
