@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dims = _parse_dims(args.dim)
         # the compiled path first: it knows the KV capacity the model allows (a learned
-        # position table, a sliding window), at which the FLOPs are counted
+        # position table), at which the FLOPs are counted
         compiled, capacity = (None, None) if args.no_compile else \
             compiled_path(args.model, args.quantize, args.max_tokens)
         max_tokens = args.max_tokens or capacity or 1024
@@ -190,6 +190,10 @@ def compiled_path(model: str, quantize=None, max_tokens=None) -> tuple:
                f"{lines[-1] if lines else ''}): please report it", None
     if mc.capacity_bound and max_tokens is None:
         head += f" KV cache capacity {mc.max_tokens} tokens by default ({mc.capacity_bound});"
+    if mc.sliding_windows:
+        head += f" sliding window{'s' if len(mc.sliding_windows) > 1 else ''} of " \
+                f"{', '.join(map(str, mc.sliding_windows))} tokens (masked by the " \
+                f"attention kernel);"
     if not notes:
         return f"{head} every op on the NPU", mc.max_tokens
     return "\n  ".join([f"{head} {len(notes)} op(s) on the host between NPU kernels:"] +

@@ -307,6 +307,13 @@ def mask_scale(region) -> float:
     return float(region.attrs.get("edgetvm.mask_scale", "1"))
 
 
+def softcap(region) -> float | None:
+    """The cap of an attention region's soft-capped scores, ``cap * tanh(scale * q @
+    k^T)`` (Gemma-2), or None where the scores are not capped."""
+    cap = region.attrs.get("edgetvm.softcap")
+    return None if cap is None else float(cap)
+
+
 def causal_mask_problem(mask, pos: int, s: int) -> str | None:
     """What is wrong with an additive attention ``mask`` (..., s, pos + s) as the causal
     mask of queries at ``pos..pos + s - 1`` (0 where key j <= the query's position, <= -1e4
@@ -321,9 +328,7 @@ def causal_mask_problem(mask, pos: int, s: int) -> str | None:
     window = sliding_window(m, behind)
     if window is not None:
         return (f"the model masks keys more than {window - 1} positions behind the query (a "
-                f"sliding window of {window} tokens); the NPU attention kernel masks by "
-                f"causality only, so a KV cache longer than the window would attend to keys "
-                f"the model hides: build with --max-tokens {window} or less")
+                f"sliding window of {window} tokens), not the causal mask alone")
     return ("the model adds a bias that is not the causal mask (padding, or a position "
             "bias other than ALiBi's); the NPU attention kernel masks by causality and adds "
             "ALiBi's bias only")
@@ -332,7 +337,9 @@ def causal_mask_problem(mask, pos: int, s: int) -> str | None:
 def mask_window(mask, pos: int, s: int) -> int | None:
     """The sliding window of an additive attention ``mask`` (..., s, pos + s) of queries at
     ``pos..``: ``w`` when it is causal and hides every key ``w`` or more positions behind
-    its query, else None (causal, or another bias)."""
+    its query, else None (causal, another bias, or not a mask of that shape)."""
+    if np.shape(mask)[-2:] != (s, pos + s):
+        return None
     return sliding_window(*_rows_and_distances(mask, pos, s))
 
 

@@ -44,9 +44,9 @@ from .npu_regions import (KernelCache, build_cluster, keeps_heads, offloadable,
                           passthrough_outputs,
                           rows_of, unsound_offloads)
 from .offload import offload_regions
-from .region_ops import (activation_input, attention_roles, mask_bias, mask_scale,
+from .region_ops import (activation_input, attention_roles, mask_bias, mask_scale, mask_window,
                          param_index, past_input, result_shapes, rope_dims, rope_heads_axis,
-                         rope_roles)
+                         rope_roles, softcap)
 
 log = logging.getLogger("edgetvm")
 _SESSION_IDS = itertools.count()
@@ -429,6 +429,7 @@ class NPUSession:
         add exactly that (0 where a key is visible, -inf-like elsewhere), so a model with
         an additive position bias (ALiBi) or padding is refused, not answered wrongly."""
         scale = float(region.attrs.get("edgetvm.scale", "nan"))
+        cap = softcap(region)
         roles = attention_roles(region.func)
         hq, d = int(region.attrs["edgetvm.num_heads"]), int(region.attrs["edgetvm.head_dim"])
         heads_major_out = keeps_heads(region)
@@ -456,13 +457,19 @@ class NPUSession:
             kv = self.kv
             pos = kv.layer_len[layer] - s
             sc = scale if scale == scale else d ** -0.5
-            slopes = None
+            slopes = window = None
             if "mask" in roles:
                 mask = given[roles["mask"]].numpy() if roles["mask"] in given else \
                     region.args[roles["mask"]]
-                slopes = _mask_slopes(mask * mask_scale(region), pos, s, region.index, hq)
+                slopes, window = _mask_slopes(mask * mask_scale(region), pos, s,
+                                              region.index, hq)
+            if slopes is not None and cap is not None:
+                raise EdgeTVMError(
+                    f"attention region {region.index}: soft-capped scores with ALiBi's bias: "
+                    f"the NPU attention kernel does not take both")
             out = self._attend(layer, q[0].transpose(1, 0, 2), pos, sc,
-                               None if slopes is None else slopes / sc)
+                               None if slopes is None else slopes / sc, softcap=cap,
+                               window=window)
             if heads_major_out:              # (s, hq, d) -> (hq, s, d): Falcon's layout
                 out = out.transpose(1, 0, 2)
             (shape,) = result_shapes(region.func, region.runtime_positions, args)
@@ -470,9 +477,12 @@ class NPUSession:
                 out.reshape(shape).astype(np.float32)))
         return run
 
-    def _attend(self, layer: int, q, pos: int, scale: float, slopes=None) -> np.ndarray:
+    def _attend(self, layer: int, q, pos: int, scale: float, slopes=None,
+                softcap=None, window=None) -> np.ndarray:
         """q (s, hq, d) at positions pos.. -> (s, hq, d); ``slopes`` (hq,): ALiBi's, in
-        unscaled-score units (the model's over the softmax scale)."""
+        unscaled-score units (the model's over the softmax scale); ``softcap``: the scores
+        are ``softcap * tanh(scale * q @ k^T)``; ``window``: keys that many or more
+        positions behind the query hidden."""
         kv = self.kv
         s, hq, d = q.shape
         valid = pos + s
@@ -482,18 +492,19 @@ class NPUSession:
         if s == 1:
             # the scale is an immediate of the program: a key per scale (GPT-2 scales each
             # layer's scores by its index; one program for all gave every layer the first's)
-            key = ("decode_attention", pages, alibi, scale)
+            key = ("decode_attention", pages, alibi, scale, softcap, window)
             build = lambda: schedule_decode_attention(  # noqa: E731
                 kv.layout, hq, pages, self.spec, tile_kv=tile, slots_kv=2, slots_s=1,
-                scale=scale, alibi=alibi)
+                scale=scale, alibi=alibi, softcap=softcap, window=window)
             feeds = {"q": q[0].astype(np.float16)}
             params = {"valid_len": valid}
         else:
             c = self.bucket(s)
-            key = ("prefill_attention", c, pages, alibi, scale)
+            key = ("prefill_attention", c, pages, alibi, scale, softcap, window)
             build = lambda: schedule_prefill_attention(  # noqa: E731
                 kv.layout, hq, c, self.spec, tile_q=min(64, c), tile_kv=tile, slots_kv=2,
-                slots_s=1, chunked=True, max_pages=pages, scale=scale, alibi=alibi)
+                slots_s=1, chunked=True, max_pages=pages, scale=scale, alibi=alibi,
+                softcap=softcap, window=window)
             qp = np.zeros((c, hq, d), np.float16)
             qp[:s] = q
             feeds = {"q": qp}
@@ -525,13 +536,18 @@ def _kernel_input_order(region):
 
 
 def _mask_slopes(mask, pos: int, s: int, index: int, heads: int):
-    """None when the additive ``mask`` (..., s, pos + s) is the causal mask of queries at
-    ``pos..pos + s - 1``; ALiBi's slope per head (``heads``) when it is that plus ALiBi's
-    bias; else raise (see :func:`~edgetvm.region_ops.mask_bias`)."""
+    """``(slopes, window)`` of the additive ``mask`` (..., s, pos + s) of queries at
+    ``pos..pos + s - 1``: ``(None, None)`` when it is the causal mask; ALiBi's slope per
+    head (``heads``) when it is that plus ALiBi's bias; the sliding window ``w`` when it
+    hides keys ``w`` or more positions behind the query too; else raise (see
+    :func:`~edgetvm.region_ops.mask_bias`)."""
     try:
-        return mask_bias(mask, pos, s, heads)
+        return mask_bias(mask, pos, s, heads), None
     except ValueError as e:
-        raise EdgeTVMError(f"attention region {index}: {e}") from None
+        window = mask_window(mask, pos, s)
+        if window is None:
+            raise EdgeTVMError(f"attention region {index}: {e}") from None
+        return None, window
 
 
 def _heads_major(x, kv_heads: int, head_dim: int):

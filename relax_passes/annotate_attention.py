@@ -43,9 +43,11 @@ def attention_patterns() -> list[RegionPattern]:
 
     Scale spellings: ``(q @ k^T) * s``, ``(q @ k^T) / s`` and ``(q * sqrt(s)) @
     (k^T * sqrt(s))`` (what torch's SDPA export emits), the mask added after the scaling
-    or before it (CodeGen: ``(q @ k^T + mask) / s``, a causal mask scaled is causal). ``where(isnan(p), 0, p)`` after
-    the softmax (fully masked rows) belongs to the region, and so do the head split of
-    ``v`` and the head merge (transpose + reshape back to (batch, seq, hidden)).
+    or before it (CodeGen: ``(q @ k^T + mask) / s``, a causal mask scaled is causal).
+    Gemma-2's soft-capped scores ``cap * tanh(s * q @ k^T)`` before the mask (``cap > 0``,
+    ``s > 0``: attribute ``softcap``, and ``scale`` is then ``s``). ``where(isnan(p), 0,
+    p)`` after the softmax (fully masked rows) belongs to the region, and so do the head
+    split of ``v`` and the head merge (transpose + reshape back to (batch, seq, hidden)).
     """
     q, k, v, mask = wildcard(), wildcard(), wildcard(), wildcard()
     s_mul, s_div, s_q, s_k = is_const(), is_const(), is_const(), is_const()
@@ -70,8 +72,16 @@ def attention_patterns() -> list[RegionPattern]:
     pre_masked = call("relax.add", raw, mask)
     masked_scaled = call("relax.multiply", pre_masked, s_mul) | \
         call("relax.divide", pre_masked, s_div)
+    # Gemma-2 soft-caps the scores before the mask: cap * tanh(scores / cap), the 1 / cap
+    # often folded into the scale (a multiply of q @ k^T by scale / cap)
+    c_in, c_in_div, c_out = is_const(), is_const(), is_const()
+    uncapped = scores | raw
+    capped = call("relax.multiply", call("relax.tanh", call(
+        "relax.multiply", uncapped, c_in) | call("relax.divide", uncapped, c_in_div)
+        | uncapped), c_out)
     # GPT-Neo does not scale at all: the mask added to q @ k^T itself (scale 1)
-    logits = masked | masked_scaled | scores | call("relax.add", raw, mask)
+    logits = masked | masked_scaled | scores | call("relax.add", raw, mask) | \
+        call("relax.add", capped, mask) | capped
     # the masked scores clamped from below by maximum(x, fill) with fill <= -1e4 (a no-op
     # after the softmax: what it raises weighs 0 either way): OpenLLaMA; XGLM (q scaled
     # before its projection's head split) clamps BLOOM's (batch * heads)-row scores
@@ -92,13 +102,20 @@ def attention_patterns() -> list[RegionPattern]:
         "s_mul": s_mul, "s_div": s_div, "s_q": s_q, "s_k": s_k, "reshaped": merged,
         "pre_masked": pre_masked, "k_expand": k_expand, "k_bcast": k_bcast,
         "v_expand": v_expand, "v_bcast": v_bcast, "clamp": clamp,
+        "c_in": c_in, "c_in_div": c_in_div, "c_out": c_out,
     }
+
+    def cap_scale(m) -> float:
+        """What the scores are multiplied by inside the soft-cap's tanh."""
+        return scalar_value(m["c_in"]) if "c_in" in m else \
+            1.0 / scalar_value(m["c_in_div"]) if "c_in_div" in m else 1.0
 
     def check(m, _ctx):
         return len(static_shape(m["q"])) == 4 and len(static_shape(m["k"])) == 4 and \
             all(_repeats_each_kv_head(m[f"{n}_expand"], m[f"{n}_bcast"]) for n in "kv"
                 if f"{n}_bcast" in m) and \
-            ("clamp" not in m or _is_fill(m["clamp"]))
+            ("clamp" not in m or _is_fill(m["clamp"])) and \
+            ("c_out" not in m or (scalar_value(m["c_out"]) > 0 and cap_scale(m) > 0))
 
     def attrs(m, merges_heads):
         _, heads, q_len, head_dim = static_shape(m["q"])
@@ -119,6 +136,11 @@ def attention_patterns() -> list[RegionPattern]:
             scale = 1.0
         # a mask added before the scaling is scaled with the scores
         extra = {"mask_scale": scale} if "pre_masked" in m else {}
+        if "c_out" in m:
+            # soft-capped: ``scale`` is the tanh's, the softmax takes the capped scores as
+            # they are
+            scale *= cap_scale(m)
+            extra["softcap"] = scalar_value(m["c_out"])
         return {
             **extra,
             "num_heads": heads,
@@ -149,8 +171,9 @@ class AnnotateAttention:
     this is one flash-style kernel that never writes the score matrix to DRAM and reads
     each KV head once per group instead of materialising the repeat. Attributes:
     ``num_heads``, ``num_kv_heads``, ``gqa_group``, ``head_dim``, ``q_len``, ``kv_len``,
-    ``scale``, ``has_mask``, ``merges_heads`` and, for a mask added before the scaling,
-    ``mask_scale`` (what the mask is multiplied by).
+    ``scale``, ``has_mask``, ``merges_heads``, for a mask added before the scaling
+    ``mask_scale`` (what the mask is multiplied by) and, for soft-capped scores, ``softcap``
+    (the cap; ``scale`` is then what the scores are multiplied by inside the tanh).
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:

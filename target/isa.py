@@ -50,7 +50,12 @@ Commands
     ``origin`` a value the host may set per run (the key position of the query). Rows of
     a prefill tile are queries at consecutive positions: one ``origin`` for all of them
     differs from each row's own by a constant per row, which the softmax that follows
-    cancels.
+    cancels. ``mask`` sets to -inf the columns at or past ``limit`` and those whose
+    ``col - row`` exceeds ``causal_offset`` (a causal band), and to fp32's lowest finite
+    value (-3.4e38, as transformers' masks) those below ``floor`` or whose ``col - row`` is
+    below ``window_offset`` (a sliding window's lower edge: finite, so a row whose keys in a
+    tile are all behind its window still has a finite maximum there, and an online softmax
+    started on that tile is rescaled to nothing, not NaN, by the first tile it sees).
 ``EventWait`` / ``EventSignal``
     a no-op on ``unit`` that only waits / signals (to block a unit's queue).
 ``HostOp``
@@ -283,6 +288,9 @@ class Vector(Command):
     imm: float | None = None
     limit: Value | None = None           # mask: cols >= limit are masked
     causal_offset: Value | None = None   # mask: col - row > causal_offset are masked
+    # a sliding window's lower edge, masked to fp32's lowest finite value (not -inf):
+    floor: Value | None = None           # mask: cols < floor
+    window_offset: Value | None = None   # mask: col - row < window_offset
     origin: Value | None = None          # alibi: the column whose bias is 0
 
     unit = "vector"

@@ -179,13 +179,27 @@ class _Attention:
     """Emits the online-softmax attention loop nest (see the module docstring)."""
 
     def __init__(self, kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels,
-                 ahead=False, alibi=None):
+                 ahead=False, alibi=None, softcap=None, window=None):
         self.kb, self.lay = kb, layout
         self.hq, self.hk, self.d = q_heads, layout.kv_heads, layout.head_dim
         if q_heads % layout.kv_heads:
             raise ValueError(f"{q_heads} query heads do not group over {layout.kv_heads}")
         self.g = q_heads // layout.kv_heads
         self.scale = float(scale if scale is not None else 1.0 / math.sqrt(self.d))
+        # soft-capped scores (Gemma-2), ``softcap * tanh(scale * s)``: computed in place on
+        # the scores, which then go into the softmax unscaled
+        self.softcap, self.cap_scale = None, None
+        if softcap is not None:
+            if not (softcap > 0 and self.scale > 0):
+                raise ValueError(f"soft-cap {softcap} at scale {self.scale}: both must be > 0")
+            if alibi is not None:
+                raise ValueError("soft-capped scores with ALiBi's bias are not supported")
+            self.softcap, self.cap_scale, self.scale = float(softcap), self.scale, 1.0
+        # a sliding window: keys ``window`` or more positions behind the query are hidden
+        # (the mask's ``npu.mask_window``; isa.py: at fp32's lowest finite value)
+        if window is not None and (int(window) < 1 or alibi is not None):
+            raise ValueError(f"sliding window {window}: must be >= 1, and not with ALiBi")
+        self.window = None if window is None else int(window)
         p = layout.page_tokens
         if not (tile_kv % p == 0 or p % tile_kv == 0):
             raise ValueError(f"tile_kv={tile_kv} must divide or be a multiple of the page ({p})")
@@ -202,6 +216,10 @@ class _Attention:
         # ALiBi: the annotations that place the bias's origin (see declare_slopes)
         self.alibi = alibi
         self.slopes_t = None
+
+    def mask_ann(self, ann: dict) -> dict:
+        """The masks' annotations ``ann`` and, with a sliding window, its width."""
+        return ann if self.window is None else {**ann, "npu.mask_window": self.window}
 
     # -- pieces ---------------------------------------------------------------------------
     def declare_kv(self, cap, resident: bool = False):
@@ -354,6 +372,19 @@ class _Attention:
             self._qk(h, t, rows, ri, rk, rk_where, va)
             return
         if part in ("softmax", "max"):     # the masks (and ALiBi) in place, once a tile
+            if self.softcap is not None:
+                # cap * tanh(k s) = cap - 2 cap / (exp(2 k s) + 1), and the softmax drops the
+                # constant cap: S <- -2 cap * rsqrt(exp(2 k s) + 1) ** 2 (the vector unit has
+                # no tanh and no reciprocal; exp overflows to inf for large scores, where
+                # the rsqrt gives 0: the cap itself)
+                f32 = lambda c: tirx.const(c, "float32")    # noqa: E731
+                k2, c2 = f32(2 * self.cap_scale), f32(-2 * self.softcap)
+                for name, op, fn in (
+                        ("cap_exp", "vector:exp", lambda x: tirx.exp(x * k2)),
+                        ("cap_rsqrt", "vector:rsqrt", lambda x: tirx.rsqrt(x + f32(1.0))),
+                        ("cap_square", "vector:mul", lambda x: x * x),
+                        ("cap_scale", "vector:mul", lambda x: x * c2)):
+                    elementwise(name, op, S, fn, [S], (rows, tt), rk, rk_where)
             if masks is None:
                 elementwise("mask", "vector:mask", Sm, lambda x: x, [S], (rows, tt), rk,
                             rk_where, ann={**va, **mask_ann})
@@ -555,17 +586,22 @@ class _Validity:
 
 def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, tile_kv: int,
                      slots_kv: int = 2, slots_s: int = 1, scale=None, channels: int = 2,
-                     alibi: bool = False):
+                     alibi: bool = False, softcap: float | None = None,
+                     window: int | None = None):
     """Decode attention as a :class:`TileKernel`: ``q (Hq, D)`` attends to the first
     ``valid_len`` (runtime) tokens of the paged cache through ``page_table (max_pages,)``.
     ``alibi``: the scores get ``slopes[head] * (key - query)`` (input ``slopes (Hq, 1)``
-    float32, over the softmax scale; the query is at ``valid_len - 1``)."""
+    float32, over the softmax scale; the query is at ``valid_len - 1``). ``softcap``: the
+    scores are ``softcap * tanh(scale * q @ k^T)`` (Gemma-2), softmax-ed unscaled.
+    ``window``: a sliding window, keys ``window`` or more positions behind the query
+    hidden (every tile's mask hides them)."""
     d = layout.head_dim
     cap = max_pages * layout.page_tokens
     with TileKernel("decode_attention") as kb:
         a = _Attention(kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels,
                        alibi={"npu.alibi_query": "valid_len", "npu.alibi_offset": -1,
-                              "npu.alibi_rows": 0} if alibi else None)
+                              "npu.alibi_rows": 0} if alibi else None, softcap=softcap,
+                       window=window)
         hq, g, hk = a.hq, a.g, a.hk
         q = kb.buffer("q", (hq, d), "float16")
         a.k_cache = kb.buffer("K_cache", layout.shape, "float16")
@@ -598,7 +634,7 @@ def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, til
                 with kb.loop(hk, "h") as h:
                     a.step(h, t, g, 0, lambda r: tirx.const(True, "bool"),
                            lambda i, h=h: (h * g + i,), cap, valid,
-                           {"npu.mask_len": "valid_len"}, part)
+                           a.mask_ann({"npu.mask_len": "valid_len"}), part)
         a.keep_running_max("m_final", hq, lambda lv: [("S", (0, hq), lv[0])], lambda i: (i,))
         a.normalize(hq, lambda lv: [("S", (0, hq), lv[0])], qd, lambda i: (i,),
                     lambda i, dd: (o16, (i, dd)))
@@ -610,14 +646,17 @@ def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, til
 def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_q: int,
                       tile_kv: int, slots_kv: int = 2, slots_s: int = 1, rowsum_mma: int = 1,
                       chunked: bool = False, max_pages: int | None = None, scale=None,
-                      channels: int = 2, alibi: bool = False, two_pass: int = 0):
+                      channels: int = 2, alibi: bool = False, two_pass: int = 0,
+                      softcap: float | None = None, window: int | None = None):
     """Causal prefill attention as a :class:`TileKernel`.
 
     ``q, out (tokens, Hq, D)``. Whole prompt (``chunked=False``): the keys are the first
     ``tokens`` tokens of the cache, KV tiles above the diagonal are not emitted.
     ``chunked=True``: the queries are positions ``pos .. pos + tokens`` (runtime ``pos``),
     the keys the first ``valid_len`` (runtime) tokens of a cache of ``max_pages`` pages.
-    ``alibi``: as in :func:`decode_attention` (the queries at ``pos`` + their row).
+    ``alibi``: as in :func:`decode_attention` (the queries at ``pos`` + their row);
+    ``softcap`` and ``window`` too (the window's mask runs on the tiles whose first key is
+    behind the q tile's last query's window).
     """
     d, p = layout.head_dim, layout.page_tokens
     c = tokens
@@ -628,7 +667,8 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
         a = _Attention(kb, layout, q_heads, scale, tile_kv, slots_kv, slots_s, channels,
                        ahead=slots_s == 2 and not two_pass,
                        alibi={"npu.alibi_query": "pos" if chunked else "",
-                              "npu.alibi_offset": 0, "npu.alibi_rows": 1} if alibi else None)
+                              "npu.alibi_offset": 0, "npu.alibi_rows": 1} if alibi else None,
+                       softcap=softcap, window=window)
         hq, g, hk = a.hq, a.g, a.hk
         if two_pass:          # K and V load in passes of their own: each on every channel
             a.k_channel = a.v_channel = None
@@ -676,18 +716,24 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
             if chunked:
                 valid = _Validity("pos", q_end)       # tile start < pos + q_end
                 n_kt = -(-cap // tt)
-                mask_ann = {"npu.mask_len": "valid_len", "npu.mask_pos": "pos"}
+                mask_ann = a.mask_ann({"npu.mask_len": "valid_len", "npu.mask_pos": "pos"})
 
                 def masks(c0):
+                    w = a.window
                     return [(None, [("pos", -1, q0 + 1 - tt - c0)]),   # c0+tt-1 > pos+q0
-                            (None, [("valid_len", -1, -(c0 + tt))])]   # c0+tt > valid_len
+                            (None, [("valid_len", -1, -(c0 + tt))])] + \
+                        ([(None, [("pos", 1, c0 + w - q0 - tq)])]     # pos+q0+tq-w > c0
+                         if w is not None else [])
             else:
                 valid = _Validity()
                 n_kt = tirx.floordiv(q_end + tt - 1, tt)   # no tile above the diagonal
-                mask_ann = {"npu.mask_pos": ""}
+                mask_ann = a.mask_ann({"npu.mask_pos": ""})
 
                 def masks(c0):
-                    return [(c0 + tt - 1 > q0, [])]
+                    if a.window is None:
+                        return [(c0 + tt - 1 > q0, [])]
+                    # the causal diagonal or the window's lower edge crosses the tile
+                    return [(tirx.Or(c0 + tt - 1 > q0, c0 < q0 + tq - a.window), [])]
             with kb.loop(g, "e") as e:
                 kb.op("Q_head", "vector:copy", (tq, d),
                       lambda lv: [("S", (0, c), q0 + lv[0]), ("S", (0, d), lv[1])],
@@ -763,11 +809,12 @@ def _schedule(kb, knobs, list_schedule: int = 0):
 
 def schedule_decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, spec, *,
                               tile_kv: int, slots_kv: int = 2, slots_s: int = 1, scale=None,
-                              alibi: bool = False, list_schedule: int = 0):
+                              alibi: bool = False, list_schedule: int = 0,
+                              softcap: float | None = None, window: int | None = None):
     """The scheduled decode attention kernel; lower with ``**ATTENTION_LOWERING``."""
     kb = decode_attention(layout, q_heads, max_pages, tile_kv=tile_kv, slots_kv=slots_kv,
                           slots_s=slots_s, scale=scale, channels=spec.dma_channels,
-                          alibi=alibi)
+                          alibi=alibi, softcap=softcap, window=window)
     return _schedule(kb, (("tile_kv", tile_kv), ("slots_kv", slots_kv), ("slots_s", slots_s),
                           ("list_schedule", list_schedule)), list_schedule)
 
@@ -777,12 +824,14 @@ def schedule_prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int,
                                rowsum_mma: int = 1, chunked: bool = False,
                                max_pages: int | None = None, scale=None,
                                alibi: bool = False, list_schedule: int = 0,
-                               two_pass: int = 0):
+                               two_pass: int = 0, softcap: float | None = None,
+                               window: int | None = None):
     """The scheduled prefill attention kernel; lower with ``**ATTENTION_LOWERING``."""
     kb = prefill_attention(layout, q_heads, tokens, tile_q=tile_q, tile_kv=tile_kv,
                            slots_kv=slots_kv, slots_s=slots_s, rowsum_mma=rowsum_mma,
                            chunked=chunked, max_pages=max_pages, scale=scale,
-                           channels=spec.dma_channels, alibi=alibi, two_pass=two_pass)
+                           channels=spec.dma_channels, alibi=alibi, two_pass=two_pass,
+                           softcap=softcap, window=window)
     knobs = (("tile_q", tile_q), ("tile_kv", tile_kv), ("slots_kv", slots_kv),
              ("slots_s", slots_s), ("rowsum_mma", rowsum_mma), ("list_schedule", list_schedule))
     # a knob set from before ``two_pass`` keeps its trace (and structural key) as it was

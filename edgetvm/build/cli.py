@@ -154,7 +154,7 @@ def add_build_options(ap, run: bool = False) -> None:
                          "by measuring candidate clusters under --profile)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="KV cache capacity in tokens (default 1024, or the positions the "
-                         "model can address or its attention's sliding window if fewer)")
+                         "model can address if fewer)")
     ap.add_argument("--quantize", type=int, choices=(32, 64, 128), default=None, metavar="G",
                     help="quantize fp32/fp16 linears to W4A16 with group size G" +
                          ("; --check-onnx then runs onnxruntime on a copy of the file "

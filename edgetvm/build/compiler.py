@@ -28,7 +28,7 @@ from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules.kv_cache import PAGE_TOKENS, KVCacheLayout
 
 from .cuts import apply_cuts
-from .graph import (BuildError, PositionTableError, SlidingWindowError, add_alibi_slopes,
+from .graph import (BuildError, PositionTableError, add_alibi_slopes, add_sliding_windows,
                     extract_phase_graph)
 from .kernels import KernelBuilder
 from .kv_pages import fold_kv_appends
@@ -85,6 +85,7 @@ class ModelCompiler:
         self._tables: dict = {}
         self._checked_masks: set = set()
         self._slopes: dict = {}         # mask key -> ALiBi's slopes (None: causal only)
+        self._windows: dict = {}        # mask key -> its sliding window, if it has one
         self._graphs: dict = {}
         self._linked: dict = {}
         self._partitions: dict = {}     # (id(graph), strategy, profile) -> (graph, groups)
@@ -112,6 +113,12 @@ class ModelCompiler:
         self._linked.clear()
 
     @property
+    def sliding_windows(self) -> list:
+        """The sliding windows of the model's attention masks found so far (shorter than
+        the KV capacity; the attention kernels hide the keys behind them)."""
+        return sorted(set(self._windows.values()))
+
+    @property
     def page_tokens(self) -> int:
         return PAGE_TOKENS
 
@@ -120,25 +127,15 @@ class ModelCompiler:
         return -(-self.max_tokens // PAGE_TOKENS)
 
     def _fit_default_capacity(self) -> None:
-        """Cap the default KV capacity at the model's sliding window, if it has one, and at
-        the positions an offset position table addresses (:class:`PositionTableError`).
-
-        Attention that sees only the last ``w`` tokens (Mistral; Gemma-2's and Gemma-3's
-        local layers) is causal attention for a cache of at most ``w`` tokens, which is
-        what the NPU kernel does; a longer cache would attend to keys the model hides. The
-        decode graph of the largest capacity checks the masks where the cache ends; it is
-        the first graph every build needs, so this costs nothing when there is no window.
-        Asking for a longer cache with ``--max-tokens`` is refused, naming the window."""
-        # at most a window, then a table's end, each lowering the capacity once
-        for _ in range(3):
+        """Cap the default KV capacity at the positions an offset position table addresses
+        (:class:`PositionTableError`). The decode graph of the largest capacity checks the
+        masks and tables where the cache ends; it is the first graph every build needs.
+        (A sliding window does not bound the cache: the attention kernel hides the keys
+        behind it, ``add_sliding_windows``.)"""
+        for _ in range(2):
             try:
                 self.graph("decode", 1, capacity_bucket(self.num_pages))
                 return
-            except SlidingWindowError as err:
-                if err.window >= self.max_tokens:
-                    raise
-                self.max_tokens = err.window
-                self.capacity_bound = f"the model's sliding window of {err.window} tokens"
             except PositionTableError as err:
                 if err.limit >= self.max_tokens or err.limit < 1:
                     raise
@@ -164,6 +161,7 @@ class ModelCompiler:
                                        lookups=self._position_lookups)
             self._tables.update(found.tables)
             self._slopes.update({_mask_key(m): v for m, v in found.slopes.items()})
+            self._windows.update({_mask_key(m): v for m, v in found.windows.items()})
             self._checked_masks |= {_mask_key(m) for m, _ in new_masks}
         for name in g.position_tables:
             t = g.tensors[name]
@@ -171,6 +169,8 @@ class ModelCompiler:
             t.shape = t.data.shape
         slopes = {i: self._slopes.get(_mask_key(m)) for m, i in masks}
         add_alibi_slopes(g, {i: s for i, s in slopes.items() if s is not None})
+        add_sliding_windows(g, {i: self._windows[_mask_key(m)] for m, i in masks
+                                if _mask_key(m) in self._windows})
         if self.layout is None:
             self.layout = KVCacheLayout(g.kv_heads, g.head_dim, self.num_pages, PAGE_TOKENS)
             self.kernels = KernelBuilder(self.spec, self.layout, knobs_for=self.knobs_for)

@@ -39,7 +39,7 @@ from edgetvm.npu_regions import (build_cluster, keeps_heads, missing_activation_
                                   passthrough_outputs)
 from edgetvm.region_ops import (activation_input, attention_roles, op_name, param_index,
                                 past_input, rope_dims, rope_heads_axis, rope_roles,
-                                rope_stage_attrs)
+                                rope_stage_attrs, softcap)
 from edgetvm.target.host_ops import HOST_BINARY, HOST_UNARY, shape_attr
 from edgetvm.target.isa import Affine
 from edgetvm.tir_schedules.fused import Stage
@@ -62,15 +62,6 @@ class PositionTableError(BuildError):
     def __init__(self, message: str, limit: int):
         super().__init__(message)
         self.limit = limit
-
-
-class SlidingWindowError(BuildError):
-    """The model's attention hides keys ``window`` or more positions behind the query,
-    which a KV cache longer than the window would attend to."""
-
-    def __init__(self, message: str, window: int):
-        super().__init__(message)
-        self.window = window
 
 
 # -- the graph ---------------------------------------------------------------------------
@@ -316,7 +307,10 @@ class _Extractor:
                 self._current = b
                 try:
                     self.env[b.var] = self._binding(b.var, b.value)
-                except BuildError:
+                except BuildError as e:
+                    node = _onnx_node(b.value)
+                    if type(e) is BuildError and node and "ONNX node" not in str(e):
+                        raise BuildError(f"{e}{node}") from None     # where, for the user
                     raise
                 except (ValueError, KeyError, IndexError, TypeError) as e:
                     raise BuildError(f"binding {b.var.name} = {_describe(b.value)}: {e}") from e
@@ -759,6 +753,25 @@ class _Extractor:
                              f"kernel reads {cols}")
         return View(name, (rows, cols), (cols, 1), Affine.param("pos", cols))
 
+    def _position_input(self, value: "Pos"):
+        """A position-only value that a row-local kernel reads as a tensor (OPT's learned
+        position embedding, added to the embeddings after its ``project_in``): its table's
+        rows from the runtime position, in the value's layout, where that layout is the
+        table's (no axis of more than one element before the positions'); else the value
+        as it was (refused by the caller)."""
+        var = value.var
+        if not isinstance(var.ty, relax.TensorType) or self.seq_var is None:
+            return value
+        dims = var.ty.shape.values if var.ty.shape is not None else ()
+        axes = [k for k, e in enumerate(dims)
+                if isinstance(e, tvm.tirx.Var) and e.same_as(self.seq_var)]
+        shape = self.shape(var.ty, var.name)
+        if len(axes) != 1 or any(d != 1 for d in shape[:axes[0]]):
+            return value
+        width = int(np.prod(shape[axes[0] + 1:], dtype=np.int64))
+        view = self.position_view(var, self.rows, width).reshape(shape)
+        return value if view is None else Dev(view)
+
     def _stage(self, stage: Stage, inputs: dict, out: View, name: str, region=None,
                layer=None) -> Op:
         op = Op("stage", name, dict(inputs), {stage.output: out}, stage, {}, region, layer)
@@ -919,8 +932,10 @@ class _Extractor:
         outv = out.reshape(qshape)
         result = out.reshape(shape) if not keeps_heads(region) else \
             out.reshape((1, self.rows, hq, d)).permute((0, 2, 1, 3))   # (b, h, s, d)
+        cap = softcap(region)
         self.ops.append(Op("attention", f"L{k.layer}.attention", {"q": qv.reshape(qshape)},
-                           {"out": outv}, attrs={"q_heads": hq, "head_dim": d, "scale": scale},
+                           {"out": outv}, attrs={"q_heads": hq, "head_dim": d, "scale": scale,
+                                                 **({"softcap": cap} if cap else {})},
                            region=region.index, layer=k.layer))
         self.attention_layers.append(k.layer)
         if tuple(result.shape) != tuple(shape):
@@ -973,7 +988,8 @@ class _Extractor:
         tensors = [(pos, a) for pos, a in sorted(runtime.items())
                    if isinstance(region.func.params[pos].ty, relax.TensorType)]
         order = _kernel_order(region, [p for p, _ in tensors])
-        values = [tensors[i][1] for i in order]
+        values = [self._position_input(a) if isinstance(a, Pos) else a
+                  for a in (tensors[i][1] for i in order)]
         if not all(isinstance(a, Dev) for a in values):
             bad = sorted({_HOST_VALUES.get(type(a).__name__, "a value the host computes")
                           for a in values if not isinstance(a, Dev)})
@@ -1142,7 +1158,8 @@ def unrecognised_attention(defs: dict, var, reach: int = 80) -> str | None:
     return (f"an attention the NPU kernel does not take: between its scores "
             f"q @ k^T{_onnx_node(defs[scores])} and its softmax"
             f"{_onnx_node(defs[softmax])} the model computes {', '.join(ops) or 'nothing'} "
-            f"(the kernel takes one scaling, an added mask and a clamp at -1e4 or below)")
+            f"(the kernel takes one scaling, a soft-cap cap * tanh(scores * c), an added mask "
+            f"and a clamp at -1e4 or below)")
 
 
 def _first_onnx_node(func) -> str:
@@ -1218,12 +1235,27 @@ def add_alibi_slopes(graph: PhaseGraph, slopes: dict) -> None:
     for op in graph.ops:
         if op.kind != "attention" or op.region not in slopes:
             continue
+        if op.attrs.get("softcap"):
+            raise BuildError(f"attention region {op.region}: soft-capped scores with ALiBi's "
+                             f"bias: the NPU attention kernel does not take both")
         hq, scale = op.attrs["q_heads"], op.attrs["scale"]
         data = (np.asarray(slopes[op.region], np.float64) / scale).astype(np.float32)
         name = f"L{op.layer}.alibi_slopes"
         graph.tensors[name] = Tensor(name, (hq, 1), "float32", "const", data.reshape(hq, 1))
         op.inputs["slopes"] = View.whole(name, (hq, 1))
         op.attrs["alibi"] = True
+
+
+def add_sliding_windows(graph: PhaseGraph, windows: dict) -> None:
+    """Give the attention ops of the regions in ``windows`` (region index -> the mask's
+    sliding window) their kernel's ``window``: keys that many or more positions behind
+    the query are hidden."""
+    for op in graph.ops:
+        if op.kind == "attention" and op.region in windows:
+            if op.attrs.get("alibi"):
+                raise BuildError(f"attention region {op.region}: a sliding window with "
+                                 f"ALiBi's bias: the NPU attention kernel does not take both")
+            op.attrs["window"] = int(windows[op.region])
 
 
 def extract_phase_graph(mod, regions, phase: str, rows: int, pages: int,

@@ -298,10 +298,12 @@ class KernelBuilder:
     def _attention(self, graph, index, op, knobs=None) -> Kernel:
         hq, scale = op.attrs["q_heads"], op.attrs["scale"]
         alibi = bool(op.attrs.get("alibi"))
+        cap, window = op.attrs.get("softcap"), op.attrs.get("window")
         pages = graph.pages
-        # (ALiBi's kernels have a key of their own; a causal one keeps its key, and so
-        # its tuning-log records)
-        extra = ("alibi",) if alibi else ()
+        # (ALiBi's, soft-capped and windowed kernels have keys of their own; a causal one
+        # keeps its key, and so its tuning-log records)
+        extra = (("alibi",) if alibi else ()) + (("softcap", cap) if cap else ()) + \
+            (("window", window) if window else ())
         if graph.phase == "decode":
             key = repr(("decode_attention", DECODE_REVISION, hq, pages, scale, *extra))
         else:
@@ -312,11 +314,13 @@ class KernelBuilder:
         def lower(kn):
             if graph.phase == "decode":
                 sch = _apply(schedule_decode_attention, None, "decode attention", kn,
-                             self.layout, hq, pages, self.spec, scale=scale, alibi=alibi)
+                             self.layout, hq, pages, self.spec, scale=scale, alibi=alibi,
+                             softcap=cap, window=window)
             else:
                 sch = _apply(schedule_prefill_attention, None, "prefill attention", kn,
                              self.layout, hq, graph.rows, self.spec, chunked=True,
-                             max_pages=pages, scale=scale, alibi=alibi)
+                             max_pages=pages, scale=scale, alibi=alibi, softcap=cap,
+                             window=window)
             # list-scheduled for the bucket's worst case (the tiles a chunk's position
             # predicates off take no time in the plan)
             return lower_primfunc(sch.mod["main"], self.spec, f"{graph.phase}_attention",

@@ -8,7 +8,9 @@ run for every position of the cache at once, and the result is a constant table 
 rows the kernels read at the step's runtime position ``pos``. Each table is checked
 against a second evaluation at another offset (a value that depends on more than the
 position is refused). The attention mask is evaluated for several (past, new) lengths
-and must be the causal mask the attention kernel applies by itself, or that plus ALiBi's
+and must be the causal mask the attention kernel applies by itself, that with a sliding
+window (keys ``w`` or more positions behind the query hidden too: the same ``w`` wherever
+the cache is longer than it, causal where it is not), or the causal mask plus ALiBi's
 bias (a slope per head times the key's distance, which the kernel adds from the slopes);
 anything else (padding, another position bias) is refused at build time.
 """
@@ -22,7 +24,7 @@ from tvm import relax
 
 from edgetvm.region_ops import mask_bias, mask_scale, mask_window
 
-from .graph import BuildError, PositionTableError, SlidingWindowError
+from .graph import BuildError, PositionTableError
 
 HOST = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 #: (past, new) lengths at which masks are checked and tables cross-checked
@@ -243,7 +245,7 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
     table_vars = list(dict.fromkeys(tables.values()))
     targets = table_vars + mask_vars
     if not targets:
-        return PositionValues({}, {})
+        return PositionValues({}, {}, {})
     lookups = [(i, rows) for rows, i in lookups if isinstance(i, relax.Var) and
                i not in targets] if table_vars else []
     fn = PositionFunction(mod, regions, targets + list(dict.fromkeys(i for i, _ in lookups)))
@@ -287,6 +289,8 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
         # query (a sliding window) is causal at the first positions
         checks += [(capacity - 1, 1), (max(0, capacity - 8), min(8, capacity))]
     slopes: dict = {}
+    windows: dict = {}            # mask var -> its sliding window
+    causal_up_to: dict = {}       # mask var -> the longest distance it was causal over
     for past, new in checks:
         if past + new > valid:
             continue
@@ -302,11 +306,16 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
             try:
                 found = mask_bias(got[var], past, new, heads_of[var])
             except ValueError as e:
-                message = f"attention region {region}: {e}"
                 window = mask_window(got[var], past, new)
-                if window is not None:
-                    raise SlidingWindowError(message, window) from None
-                raise BuildError(message) from None
+                if window is None:
+                    raise BuildError(f"attention region {region}: {e}") from None
+                if windows.setdefault(var, window) != window:
+                    raise BuildError(f"attention region {region}: the mask's sliding window "
+                                     f"changes with the length ({windows[var]} and {window} "
+                                     f"tokens)") from None
+                continue
+            if found is None:
+                causal_up_to[var] = max(causal_up_to.get(var, 0), past + new - 1)
             # ALiBi's slopes, the same at every length (a single query at position 0
             # sees one key: no distance to fit, nothing to compare)
             if past + new < 2:
@@ -317,18 +326,25 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
                 raise BuildError(f"attention region {region}: the mask's position bias "
                                  f"changes with the length (at past={past}, new={new}): "
                                  f"not ALiBi's")
+    for var, w in windows.items():
+        if slopes.get(var) is not None or causal_up_to.get(var, -1) >= w:
+            raise BuildError(f"attention region {index_of[var]}: the mask hides keys {w} or "
+                             f"more positions behind the query at some lengths and not at "
+                             f"others (or with ALiBi's bias): not a sliding window")
     return PositionValues({name: data[var].astype(np.float16) for name, var in tables.items()},
-                          slopes)
+                          slopes, windows)
 
 
 @dataclass
 class PositionValues:
     """What :func:`evaluate_positions` found: the position ``tables`` (name -> (positions,
     width) float16) and, per mask var checked, ALiBi's slope per head (as the softmax
-    sees the bias; None for the causal mask alone)."""
+    sees the bias; None for the causal mask alone) and, per mask var with one, its sliding
+    window (keys that many or more positions behind the query hidden)."""
 
     tables: dict
     slopes: dict
+    windows: dict
 
 
 def _const(value):

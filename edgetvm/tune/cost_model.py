@@ -224,7 +224,8 @@ def attention_estimate(kind: str, sh: dict, knobs: dict, spec) -> dict:
     two_pass = bool(knobs.get("two_pass", 0)) and kind == "prefill_attention"
     # two passes shift and exponentiate in one command (``exp_sub``)
     score_ops = ("reduce_max",) + (("exp_sub",) if two_pass else ("sub", "exp")) + \
-        (("alibi",) if sh["alibi"] else ())
+        (("alibi",) if sh["alibi"] else ()) + \
+        (("exp", "rsqrt", "mul", "mul") if sh.get("softcap") else ())     # the soft-cap
 
     def step(m: int, masked: bool, first: bool, rowsum_mma: bool, heads: int,
              kv_cycles: float, n: int = 1) -> None:

@@ -343,7 +343,8 @@ def template_space(kind: str, graph, op, layout) -> tuple:
     space["list_schedule"] = [0, 1]
     return space, dict(rows=graph.rows, capacity=cap, q_heads=op.attrs["q_heads"],
                        kv_heads=layout.kv_heads, head_dim=layout.head_dim,
-                       page_tokens=layout.page_tokens, alibi=bool(op.attrs.get("alibi")))
+                       page_tokens=layout.page_tokens, alibi=bool(op.attrs.get("alibi")),
+                       **({"softcap": True} if op.attrs.get("softcap") else {}))
 
 
 def extract_tasks(mc, keys, strategy: str | None = None) -> list:

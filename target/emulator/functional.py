@@ -99,10 +99,12 @@ def vector(cmd: Vector, tcm: np.ndarray, params) -> None:
     elif op == "reduce_sum":
         r = x.sum(axis=1, keepdims=True)
     elif op == "exp":
-        r = np.exp(x if cmd.imm is None else x * _F32(cmd.imm))   # isa.py: exp(x * imm)
+        with np.errstate(over="ignore"):     # fp32: overflows to inf, as the hardware does
+            r = np.exp(x if cmd.imm is None else x * _F32(cmd.imm))   # isa.py: exp(x * imm)
     elif op == "exp_sub":
         d = x - tcm_view(tcm, cmd.srcs[1]).astype(_F32)
-        r = np.exp(d if cmd.imm is None else d * _F32(cmd.imm))
+        with np.errstate(over="ignore"):
+            r = np.exp(d if cmd.imm is None else d * _F32(cmd.imm))
     elif op == "rsqrt":
         r = 1.0 / np.sqrt(x + _F32(cmd.imm or 0.0))
     elif op == "silu":
@@ -141,6 +143,15 @@ def vector(cmd: Vector, tcm: np.ndarray, params) -> None:
         if off is not None:
             keep &= (j - np.arange(rows)[:, None]) <= off
         r = np.where(keep, x, _F32(-np.inf))
+        # a sliding window's lower edge: fp32's lowest finite value (isa.py)
+        behind = np.zeros((rows, cols), dtype=bool)
+        floor = eval_value(cmd.floor, params)
+        if floor is not None:
+            behind |= j < floor
+        wo = eval_value(cmd.window_offset, params)
+        if wo is not None:
+            behind |= (j - np.arange(rows)[:, None]) < wo
+        r = np.where(behind & keep, _F32(np.finfo(np.float32).min), r)
     else:  # validated before execution
         raise AssertionError(op)
     if np.issubdtype(dst.dtype, np.integer):

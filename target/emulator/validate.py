@@ -240,6 +240,8 @@ def _check_vector(cmd, program, spec):
     if cmd.op == "mask":
         _check_params(cmd.limit, program, "mask limit")
         _check_params(cmd.causal_offset, program, "mask causal_offset")
+        _check_params(cmd.floor, program, "mask floor")
+        _check_params(cmd.window_offset, program, "mask window_offset")
 
 
 def _check_events(program):

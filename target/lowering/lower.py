@@ -354,7 +354,7 @@ def _vector(op, tcm) -> Vector:
                      dst.stride if dst.shape == (rows, 1) else 1)
     else:
         srcs = tuple(_broadcast(s, dst.shape) for s in srcs)
-    limit = causal = origin = None
+    limit = causal = origin = floor = window_offset = None
     # a mask or alibi op iterates (..., query row, key, outer loops...) (the attention
     # template's order): its row is the iter var before the key's, also in a tile of one
     # row; in a tile of one key (the last of a whole prompt's keys) its one non-unit loop
@@ -382,8 +382,21 @@ def _vector(op, tcm) -> Vector:
             # causal: key position c0 + c > query position pos + r0 + r
             pos = op.attrs["mask_pos"]
             causal = (Affine.param(pos) if pos else Affine(0)) + (r0 - c0)
+        w = op.attrs.get("mask_window")
+        if w is not None:
+            # a sliding window of w keys: key <= query - w is hidden; the query is pos + r0
+            # + r (rows of consecutive queries), or with a length mask alone (decode) the
+            # last valid key, mask_len - 1
+            if causal is not None:
+                window_offset = causal - (int(w) - 1)
+            elif limit is not None:
+                floor = limit - int(w)
+            else:
+                raise CandidateRejected("a sliding-window mask needs the causal or the "
+                                        "length mask's query position")
     return Vector(op=op.op, dst=dst, srcs=srcs, imm=op.attrs.get("imm"),
-                  limit=limit, causal_offset=causal, origin=origin)
+                  limit=limit, causal_offset=causal, origin=origin, floor=floor,
+                  window_offset=window_offset)
 
 
 def _broadcast(src: TcmRef, shape) -> TcmRef:

@@ -8,6 +8,8 @@ ZOO_DIR is the output of ``make_tiny_zoo.sh ZOO_DIR``: its ``<family>_tiny_with_
 files are copied as they are; ``granite_tiny_with_past.onnx``,
 ``falcon_tiny_with_past.onnx``, ``opt_tiny_with_past.onnx``,
 ``mistral_sw24_tiny_with_past.onnx``, ``gemma2_tiny_with_past.onnx``,
+``gemma2_softcap_tiny_with_past.onnx``, ``opt_proj_tiny_with_past.onnx``,
+``gpt_neox_japanese_tiny_with_past.onnx``,
 ``gptj_tiny_with_past.onnx``, ``cohere_tiny_with_past.onnx``, ``mpt_tiny_with_past.onnx``,
 ``gemma3_tiny_with_past.onnx``, ``codegen_tiny_with_past.onnx``,
 ``bloom_tiny_with_past.onnx``, ``nemotron_tiny_with_past.onnx``,
@@ -152,6 +154,35 @@ def export_opt(work):
         pad_token_id=1, bos_token_id=2, eos_token_id=2))
 
 
+def export_opt_proj(work):
+    """OPT-350m's layout: word embeddings narrower than the model (32 of 64), widened by
+    ``project_in`` before the learned positions are added (so the position embedding
+    meets NPU data in a residual add) and narrowed by ``project_out`` before the lm_head;
+    LayerNorm after each block (``do_layer_norm_before=False``)."""
+    import transformers
+    _export(work, "opt_proj", transformers.OPTConfig(
+        init_std=0.2, vocab_size=512, hidden_size=64, ffn_dim=160, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32,
+        do_layer_norm_before=False, pad_token_id=1, bos_token_id=2, eos_token_id=2))
+
+
+def export_gpt_neox_japanese(work):
+    """GPT-NeoX-Japanese: the attention's output bias kept apart from its dense layer and
+    added in the residual, broadcast to the tokens by an ``Expand`` (a value of the
+    positions' shape that meets NPU data), rotary over the whole head, multi-head;
+    exported with optimum's Llama config, the KV heads read from the attention heads."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXJapaneseConfig(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_multiple_size=2, rotary_pct=1.0,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _save_and_export(work, "gpt_neox_japanese", model, _llama_onnx_config(model.config),
+                     do_validation=False)
+
+
 def export_mistral(work):
     """Mistral: Llama's shape with a sliding window of 24 tokens, which the export's
     attention mask applies: past 24 tokens of KV cache it is not the causal mask."""
@@ -176,6 +207,40 @@ def export_gemma2(work):
         final_logit_softcapping=5.0, attn_logit_softcapping=None, query_pre_attn_scalar=16,
         sliding_window=4096, pad_token_id=0, bos_token_id=2, eos_token_id=1,
         tie_word_embeddings=True))
+
+
+def export_gemma2_softcap(work):
+    """Gemma-2 with its attention's soft-capping, ``cap * tanh(scores / cap)`` before the
+    mask, exported eagerly (optimum loads the model with the eager attention: SDPA drops
+    the soft-cap); a cap of 2, small enough for the tanh to saturate (its argument reaches
+    2.9 and 4.5 in the two layers on the tests' prompt); logits soft-capped at 5 as in
+    ``gemma2``."""
+    import torch
+    import transformers
+    from optimum.exporters.tasks import TasksManager
+    config = transformers.Gemma2Config(
+        initializer_range=0.2, vocab_size=512, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=256,
+        final_logit_softcapping=5.0, attn_logit_softcapping=2.0, query_pre_attn_scalar=16,
+        sliding_window=4096, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+        tie_word_embeddings=True)
+    from optimum.exporters.onnx import main_export
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager").eval()
+    hf = os.path.join(work, "hf_gemma2_softcap")
+    out = os.path.join(work, "onnx_gemma2_softcap")
+    model.save_pretrained(hf)
+    load = TasksManager.get_model_from_task          # in this process, not optimum-cli's
+    TasksManager.get_model_from_task = staticmethod(
+        lambda *a, **k: load(*a, **{**k, "attn_implementation": "eager"}))
+    try:
+        main_export(hf, out, task="text-generation-with-past", do_validation=False)
+    finally:
+        TasksManager.get_model_from_task = load
+    onnx.save(onnx.load(os.path.join(out, "model.onnx")),
+              os.path.join(HERE, "gemma2_softcap_tiny_with_past.onnx"))
 
 
 def export_gptj(work):
@@ -452,8 +517,11 @@ def main(zoo):
     export_granite(os.path.join(zoo, ".work"))
     export_falcon(os.path.join(zoo, ".work"))
     export_opt(os.path.join(zoo, ".work"))
+    export_opt_proj(os.path.join(zoo, ".work"))
+    export_gpt_neox_japanese(os.path.join(zoo, ".work"))
     export_mistral(os.path.join(zoo, ".work"))
     export_gemma2(os.path.join(zoo, ".work"))
+    export_gemma2_softcap(os.path.join(zoo, ".work"))
     export_gptj(os.path.join(zoo, ".work"))
     export_cohere(os.path.join(zoo, ".work"))
     export_mpt(os.path.join(zoo, ".work"))

@@ -160,6 +160,11 @@ IMPORTED = {
     # down projection it is an activation region of two inputs, then a norm
     "bitnet": ({"rms_norm", "linear", "activation", "lm_head", "attention", "kv_append",
                 "rope"}, ""),
+    # not an import fix: Gemma-2's attention soft-capping, cap * tanh(scores / cap) between
+    # the scores and the mask, was refused (no attention region); now the attention
+    # kernel caps its scores (the lm_head, whose logits are soft-capped too, is a linear)
+    "gemma2_softcap": ({"rms_norm", "linear", "mlp", "attention", "kv_append", "rope"},
+                       "attention soft-capping"),
 }
 
 
@@ -178,6 +183,10 @@ def test_family_that_needed_an_import_fix(family):
         assert Counter(r.kind for r in session.regions)["layer_norm"] == 2 * 4 + 1
     if family == "bitnet":        # per layer: input, attention-output, MLP and sub norms
         assert Counter(r.kind for r in session.regions)["rms_norm"] == 2 * 4 + 1
+    if family == "gemma2_softcap":     # cap 2, inside the tanh 1 / (sqrt(16) * 2)
+        caps = [(float(r.attrs["edgetvm.softcap"]), float(r.attrs["edgetvm.scale"]))
+                for r in session.regions if r.kind == "attention"]
+        assert np.allclose(caps, [(2.0, 0.125)] * 2), caps
     _check_against_reference(family, session)
 
 
@@ -326,9 +335,10 @@ def _edited_model_is_token_exact(model, family, tmp_path, capsys, check_session=
 
 def test_an_attention_the_kernel_does_not_take_is_refused_naming_what_it_computes(
         tmp_path, capsys):
-    """A softcap-like tanh between the scores and the softmax (Gemma-2's attention logit
-    soft-capping, exported eagerly): the attention is not recognised, and the refusal
-    named a KV layout op; it names the ops between q @ k^T and the softmax."""
+    """A tanh of the masked scores between them and the softmax (not Gemma-2's
+    soft-capping, which caps the scores before the mask, and which the kernel computes):
+    the attention is not recognised, and the refusal named a KV layout op; it names the
+    ops between q @ k^T and the softmax."""
     import onnx
     from onnx import helper
 

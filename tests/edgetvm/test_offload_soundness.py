@@ -98,17 +98,29 @@ def _causal(pos, s, fill=np.float32(-3.4e38)):
 
 
 def test_causal_mask_check():
-    assert _mask_slopes(_causal(0, 5), 0, 5, 0, 4) is None
-    assert _mask_slopes(_causal(7, 3), 7, 3, 0, 4) is None
-    assert _mask_slopes(_causal(7, 1, fill=np.float32(-1e9)), 7, 1, 0, 4) is None
+    """``(slopes, window)``: the causal mask alone, ALiBi's, a sliding window; anything
+    else refused."""
+    assert _mask_slopes(_causal(0, 5), 0, 5, 0, 4) == (None, None)
+    assert _mask_slopes(_causal(7, 3), 7, 3, 0, 4) == (None, None)
+    assert _mask_slopes(_causal(7, 1, fill=np.float32(-1e9)), 7, 1, 0, 4) == (None, None)
     # ALiBi (MPT's: 0 at the last key) gives the attention its slopes
     alibi = _causal(2, 3) - 0.5 * np.arange(5)[None, None, None, ::-1]
-    np.testing.assert_allclose(_mask_slopes(alibi, 2, 3, 0, 4), [0.5] * 4)
+    slopes, window = _mask_slopes(alibi, 2, 3, 0, 4)
+    np.testing.assert_allclose(slopes, [0.5] * 4)
+    assert window is None
+    # keys 4 or more behind the query hidden too: a window of 4
+    windowed = _causal(6, 3)
+    behind = (6 + np.arange(3))[:, None] - np.arange(9)[None, :]
+    windowed[..., behind >= 4] = np.float32(-3.4e38)
+    assert _mask_slopes(windowed, 6, 3, 0, 4) == (None, 4)
     padded = _causal(2, 3)
     padded[..., 0] = np.float32(-3.4e38)
-    for bad in (padded, _causal(2, 3, fill=np.float32(-1.0)), _causal(3, 2)):
+    holed = windowed.copy()
+    holed[..., 0, 5] = np.float32(-3.4e38)        # a key inside the window hidden
+    for bad, pos, s in ((padded, 2, 3), (holed, 6, 3), (_causal(2, 3, fill=np.float32(-1.0)),
+                                                        2, 3), (_causal(3, 2), 2, 3)):
         with pytest.raises(EdgeTVMError, match="mask"):
-            _mask_slopes(bad, 2, 3, 0, 4)
+            _mask_slopes(bad, pos, s, 0, 4)
 
 
 def _set_constant(model, output_name, value):

@@ -29,8 +29,9 @@ PROMPT = [5, 17, 42, 7]
 NEW_TOKENS = 16               # 4 + 16 tokens: the cache crosses its first 16-token page
 MAX_TOKENS = 128
 FAMILIES = ("llama", "qwen2", "gpt2", "gemma", "phi3", "gpt_neox", "granite", "opt", "gemma2",
-            "gemma3", "falcon", "gptj", "cohere", "codegen", "mpt", "bloom", "nemotron",
-            "gpt_neo", "xglm", "stablelm_qk", "modernbert_decoder", "open_llama", "bitnet")
+            "gemma2_softcap", "opt_proj", "gpt_neox_japanese", "gemma3", "falcon", "gptj",
+            "cohere", "codegen", "mpt", "bloom", "nemotron", "gpt_neo", "xglm", "stablelm_qk",
+            "modernbert_decoder", "open_llama", "bitnet")
 #: the families whose partitions op-library, local, by measured search (edgellm) and by
 #: random legal cuts are run too (the slowest tests of the suite: 5 to 15 s a family): one
 #: of each structure a cut can meet (GQA and SwiGLU, LayerNorm and learned positions, MQA
@@ -235,32 +236,58 @@ def test_an_activation_without_a_kernel_is_refused_naming_it(tmp_path):
         ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16).program("decode", 1, 1)
 
 
-def test_a_refused_region_is_located_in_its_own_layer(tmp_path):
-    """GPT-NeoX-Japanese adds its attention bias broadcast by an ``Expand`` to the
-    residual's runtime shape: the residual add reads a host value. The regions of every
-    layer share the first layer's node names, so the refusal named layer 0's add for a
-    region of layer 1. The edit: that bias added to the tiny Llama's layer-1 attention
-    output; the refusal names the node that computes the host input, in layer 1."""
+def _layer1_bias(tmp_path, from_tokens: bool):
+    """The tiny Llama with a bias added to its layer-1 attention output, broadcast to the
+    residual's runtime shape by an ``Expand`` (GPT-NeoX-Japanese's attention bias): a
+    constant (0.5 per column), or the token ids (a value the host computes from them)."""
     import onnx
     from onnx import helper, numpy_helper
-
-    from edgetvm.build.graph import BuildError
     model = onnx.load(str(_path("llama")))
     add = next(n for n in model.graph.node if n.name == "/model/layers.1/Add")
     residual, attention = add.input
-    model.graph.initializer.append(numpy_helper.from_array(np.full(64, 0.5, np.float32),
-                                                           "l1_dense_bias"))
+    if from_tokens:
+        model.graph.initializer.append(numpy_helper.from_array(np.array([2], np.int64),
+                                                               "l1_axis"))
+        source = [helper.make_node("Cast", ["input_ids"], ["l1_ids"],
+                                   to=onnx.TensorProto.FLOAT, name="/l1/Cast"),
+                  helper.make_node("Unsqueeze", ["l1_ids", "l1_axis"], ["l1_source"],
+                                   name="/l1/Unsqueeze")]
+    else:
+        model.graph.initializer.append(numpy_helper.from_array(
+            np.full(64, 0.5, np.float32), "l1_source"))
+        source = []
     at = list(model.graph.node).index(add)
-    for k, node in enumerate([
+    for k, node in enumerate(source + [
             helper.make_node("Shape", [residual], ["l1_shape"], name="/l1/Shape"),
-            helper.make_node("Expand", ["l1_dense_bias", "l1_shape"], ["l1_bias"],
+            helper.make_node("Expand", ["l1_source", "l1_shape"], ["l1_bias"],
                              name="/model/layers.1/Expand"),
             helper.make_node("Add", [attention, "l1_bias"], ["l1_biased"], name="/l1/Add")]):
         model.graph.node.insert(at + k, node)
     add.input[1] = "l1_biased"
-    path = tmp_path / "llama_layer1_bias.onnx"
+    path = tmp_path / f"llama_layer1_bias{'_tok' if from_tokens else ''}.onnx"
     onnx.save(model, str(path))
-    with pytest.raises(BuildError, match=r"ONNX node\(s\) '/model/layers\.1/Expand'") as e:
+    return path
+
+
+def test_a_bias_broadcast_to_the_tokens_is_read_as_a_position_table(tmp_path):
+    """A constant broadcast to the residual's runtime shape by an ``Expand`` is a value of
+    the positions alone: the residual add's kernel reads it from a table at the runtime
+    position, as a learned position embedding added after OPT-350m's ``project_in`` (it
+    was refused: the kernel read a host value). Token-exact, logits within tolerance; a
+    table read at the wrong position or not at all would not be."""
+    path = _layer1_bias(tmp_path, from_tokens=False)
+    mc = ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16)
+    assert any(n.startswith("table.") for n in mc.graph("decode", 1, 1).tensors)
+    _check("llama", "regions", path=path, mc=mc)
+
+
+def test_a_refused_binding_is_located_by_its_onnx_node(tmp_path):
+    """The same bias computed from the token ids is host code on NPU data, which a phase
+    program cannot run: the refusal names the ONNX node, in layer 1 (it named no node)."""
+    from edgetvm.build.graph import BuildError
+    path = _layer1_bias(tmp_path, from_tokens=True)
+    with pytest.raises(BuildError, match=r"ONNX node '/model/layers\.1/Expand'\): host "
+                                         r"code on NPU data") as e:
         ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16).program("decode", 1, 1)
     assert "layers.0" not in str(e.value)
 
@@ -385,10 +412,11 @@ def test_inspect_says_what_the_compiled_path_makes_of_a_model(capsys):
                              ln.startswith("  lv")) for f, out in said.items()}
     assert compiled["llama"].endswith("every op on the NPU")
     assert "1 op(s) on the host" in compiled["gemma2"] and "relax.tanh" in compiled["gemma2"]
-    # Mistral's sliding window bounds the default KV capacity (a longer cache is refused:
-    # below)
-    assert "capacity 24 tokens by default (the model's sliding window of 24 tokens); " \
-        "every op on the NPU" in compiled["mistral_sw24"]
+    # Mistral's sliding window is masked by the attention kernel; it no longer bounds the
+    # default KV capacity (below)
+    assert "sliding window of 24 tokens (masked by the attention kernel); every op on the " \
+        "NPU" in compiled["mistral_sw24"]
+    assert "by default" not in compiled["mistral_sw24"]
 
 
 def test_inspect_counts_flops_at_the_capacity_the_build_allows(capsys):
@@ -410,24 +438,26 @@ def test_inspect_counts_flops_at_the_capacity_the_build_allows(capsys):
     assert "goes with --phase prefill" in capsys.readouterr().err
 
 
-def test_a_sliding_window_within_the_cache_is_refused_not_miscompiled():
-    """Mistral's mask hides keys 24 or more positions behind the query, which the NPU
-    attention does not: its mask is causal at the first positions the build used to
-    check, so a 128-token cache gave wrong logits from position 24 on. The build checks
-    the mask where the cache ends too and refuses, naming the window; a cache no longer
-    than the window is causal throughout and token-exact."""
-    from edgetvm.build.graph import BuildError
+@pytest.mark.parametrize("strategy", ["regions", "mega"])
+def test_a_sliding_window_is_masked_by_the_attention_kernel(strategy):
+    """Mistral's mask hides keys 24 or more positions behind the query: its mask is causal
+    at the first positions, so the build checks it where the cache ends too (a 128-token
+    cache once gave wrong logits from position 24 on; then the capacity was capped at the
+    window). The attention kernels now hide those keys themselves: a 30-token prompt and
+    16 new tokens in a 128-token cache, prefill in chunks of 16 and 8, token-exact
+    with every step's logits within tolerance; the kernels are keyed by the window."""
     path = _path("mistral_sw24")
-    mc = ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16)
-    with pytest.raises(BuildError, match="sliding window of 24 tokens.*--max-tokens 24"):
-        mc.program("decode", 1, 1)
-    mc = ModelCompiler(str(path), max_tokens=24, max_rows=16)
-    _check("mistral_sw24", "regions", mc=mc)
-    # without --max-tokens, the capacity is the window (before: refused at the default
-    # 1,024); Gemma-3's local layers' window is 512
-    assert ModelCompiler(str(path), max_rows=16).max_tokens == 24
-    assert ModelCompiler(str(_path("gemma3")), max_rows=16).max_tokens == 512
-    assert ModelCompiler(str(_path("gemma2")), max_rows=16).max_tokens == 1024
+    mc = ModelCompiler(str(path), max_tokens=MAX_TOKENS, max_rows=16, strategy=strategy)
+    g = mc.graph("decode", 1, MAX_TOKENS // 16)
+    assert mc.sliding_windows == [24]
+    assert [op.attrs.get("window") for op in g.ops if op.kind == "attention"] == [24, 24]
+    prompt = [(7 * i) % 500 + 3 for i in range(30)]
+    for chunk in (16, 8):           # 16: the largest bucket here
+        _check("mistral_sw24", strategy, mc=mc, prompt=prompt, chunk=chunk)
+    # without --max-tokens, the default capacity (1,024); Gemma-3's local layers' window
+    # (512) bounded it too
+    assert ModelCompiler(str(path), max_rows=16).max_tokens == 1024
+    assert ModelCompiler(str(_path("gemma3")), max_rows=16).max_tokens == 1024
 
 
 def test_a_mask_added_before_the_scaling_is_checked_scaled(tmp_path):

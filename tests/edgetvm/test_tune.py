@@ -88,7 +88,7 @@ def test_knob_overrides_lower_the_given_knobs_on_the_build_path(mc):
 
 def test_knobs_set_after_the_first_graph_still_reach_every_kernel(mc):
     """``build --log`` sets the replay on a compiler that has built a graph already (the
-    sliding-window probe of a default KV capacity builds the largest decode graph in the
+    capacity probe of a default KV capacity builds the largest decode graph in the
     constructor): the replayed knobs must reach the kernels all the same."""
     g, grp = _mlp(mc)
     default = mc.kernels.kernel(g, grp)

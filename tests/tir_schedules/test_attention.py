@@ -37,16 +37,23 @@ def _cache(layout, seed=0):
     return k, v, pages
 
 
-def _attention_ref(q, k, v, pos, group, slopes=None):
+def _attention_ref(q, k, v, pos, group, slopes=None, scale=None, softcap=None, window=None):
     """q (C, Hq, D); k, v (Hkv, L, D); query c sees keys <= pos + c. ``slopes`` (Hq,):
-    ALiBi, the scaled score of key j for the query at i gets ``slopes[h] * (j - i)``."""
+    ALiBi, the scaled score of key j for the query at i gets ``slopes[h] * (j - i)``.
+    ``softcap``: the scores are ``softcap * tanh(scale * q @ k^T)`` (Gemma-2). ``window``:
+    keys ``window`` or more positions behind the query are hidden too."""
     c, hq, d = q.shape
     length = k.shape[1]
     out = np.zeros((c, hq, d), np.float32)
     distance = np.arange(length)[None, :] - (pos + np.arange(c)[:, None])
     visible = distance <= 0
+    if window is not None:
+        visible &= distance > -window
+    scale = 1 / np.sqrt(d) if scale is None else scale
     for h in range(hq):
-        s = q[:, h].astype(np.float32) @ k[h // group].astype(np.float32).T / np.sqrt(d)
+        s = q[:, h].astype(np.float32) @ k[h // group].astype(np.float32).T * scale
+        if softcap is not None:
+            s = softcap * np.tanh(s)
         if slopes is not None:
             s = s + slopes[h] * distance
         s = np.where(visible, s, -np.inf)
@@ -329,6 +336,129 @@ def test_two_pass_prefill_attention(spec, shape, tokens, chunked, tile_q, tile_k
     assert not any(c.op == "mul" and c.dst == c.srcs[0] and c.dst.shape[1] == d for c in vec)
     assert all(c.dst.dtype == "float16" for c in vec
                if c.op == "mul" and c.dst.shape[1] == d and c.dst.shape[0] > 1)  # (not 1 / l)
+
+
+@pytest.mark.parametrize("kind,kw", [
+    ("decode", dict(tile_kv=32, slots_s=1)),
+    ("decode", dict(tile_kv=16, slots_s=2)),
+    ("prefill", dict(tile_q=32, tile_kv=32, slots_s=2)),           # pipelined
+    ("prefill", dict(tile_q=32, tile_kv=16, slots_s=1, rowsum_mma=0)),
+    ("prefill", dict(tile_q=32, tile_kv=32, slots_s=2, two_pass=1, list_schedule=1)),
+    ("chunked", dict(tile_q=16, tile_kv=32, slots_s=2)),
+    ("chunked", dict(tile_q=16, tile_kv=32, slots_s=2, two_pass=1)),
+])
+def test_soft_capped_scores(spec, kind, kw):
+    """Gemma-2's attention: scores ``cap * tanh(scale * q @ k^T)`` before the mask and the
+    softmax, against numpy's ``tanh``. The scores reach far past the cap (``scale * q @
+    k^T`` up to about 60: ``exp(2x)`` overflows fp32 there), and the cap (1.5) is small, so
+    a score left uncapped, capped with the wrong sign or scale, or an overflow left as inf
+    or NaN changes the output; the masked keys stay hidden (a cap applied after the mask
+    would raise them to -cap)."""
+    hq, hk, d = SMOLLM2
+    scale, cap = 0.75, 1.5
+    rng = np.random.default_rng(11)
+    max_pages = 6
+    if kind == "decode":
+        lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
+        prog = lower_primfunc(schedule_decode_attention(
+            lay, hq, max_pages, spec, scale=scale, softcap=cap, **kw).mod["main"], spec,
+            "decode_attention", outputs=["out"], **ATTENTION_LOWERING)
+        k, v, pages = _cache(lay, seed=4)
+        pages = pages[:max_pages]
+        q = (rng.standard_normal((1, hq, d)) * 6).astype(np.float16)
+        runs = [(length - 1, {"valid_len": length}, q[0]) for length in (37, 96)]
+    else:
+        tokens = 32 if kind == "chunked" else 80
+        max_pages = max_pages if kind == "chunked" else tokens // P
+        lay, prog, k, v, pages = _prefill_program(spec, SMOLLM2, tokens, max_pages,
+                                                  chunked=kind == "chunked", scale=scale,
+                                                  softcap=cap, **kw)
+        q = (rng.standard_normal((tokens, hq, d)) * 6).astype(np.float16)
+        runs = [(pos, {"pos": pos, "valid_len": pos + tokens}, q) for pos in (0, 19, 64)] \
+            if kind == "chunked" else [(0, {}, q)]
+    # capped once per tile of scores, on the vector unit: rsqrt(exp(2 scale s) + 1)
+    caps = [c for c in prog.commands if isinstance(c, Vector) and c.op == "rsqrt"
+            and c.imm == 1.0]
+    assert len(caps) == sum(isinstance(c, Mma) and c.transpose_b for c in prog.commands)
+    for pos, params, qin in runs:
+        length = pos + len(q)
+        r = Emulator(spec).run(prog, {"K_cache": k, "V_cache": v, "q": qin},
+                               params={**lay.page_table_params(pages, max_pages), **params})
+        kk = gather_reference(k, pages, length)
+        raw = np.einsum("shd,hld->hsl", q.astype(np.float32),
+                        np.repeat(kk.astype(np.float32), hq // hk, axis=0)) * scale
+        assert np.abs(raw).max() > 44           # exp(2x) overflows fp32
+        ref = _attention_ref(q, kk, gather_reference(v, pages, length), pos, hq // hk,
+                             scale=scale, softcap=cap)
+        got = r.outputs["out"].reshape(ref.shape)
+        _close(got, ref)
+        uncapped = _attention_ref(q, kk, gather_reference(v, pages, length), pos, hq // hk,
+                                  scale=scale)
+        assert np.abs(ref - uncapped).max() > 0.1      # the cap matters to this output
+
+
+def test_soft_capped_scores_refuse_a_bad_cap(spec):
+    lay = KVCacheLayout(kv_heads=3, head_dim=64, num_pages=6, page_tokens=P)
+    with pytest.raises(ValueError, match="soft-cap"):
+        schedule_decode_attention(lay, 9, 4, spec, tile_kv=32, softcap=-2.0)
+    with pytest.raises(ValueError, match="ALiBi"):
+        schedule_decode_attention(lay, 9, 4, spec, tile_kv=32, softcap=2.0, alibi=True)
+
+
+@pytest.mark.parametrize("kind,window,kw", [
+    ("decode", 20, dict(tile_kv=16, slots_s=1)),        # whole tiles behind the window
+    ("decode", 40, dict(tile_kv=32, slots_s=2, softcap=1.5)),
+    ("prefill", 24, dict(tile_q=32, tile_kv=16, slots_s=2)),
+    ("prefill", 7, dict(tile_q=16, tile_kv=32, slots_s=1, rowsum_mma=0)),
+    ("prefill", 24, dict(tile_q=32, tile_kv=32, slots_s=2, two_pass=1, list_schedule=1)),
+    ("chunked", 24, dict(tile_q=16, tile_kv=16, slots_s=2)),
+    ("chunked", 33, dict(tile_q=16, tile_kv=32, slots_s=2, two_pass=1, softcap=1.5)),
+])
+def test_sliding_window(spec, kind, window, kw):
+    """Keys ``window`` or more positions behind the query hidden (Mistral, Qwen2, Gemma-2's
+    and Gemma-3's local layers), against numpy at lengths past the window, where whole KV
+    tiles, the first among them, are behind some rows' windows: a tile whose keys are all
+    hidden from a row starts its online softmax (at fp32's lowest finite value, not -inf,
+    so its weights are rescaled to 0 by the first tile the row sees, not NaN). A window
+    mask skipped on a tile it crosses, off by one, or hiding keys to -inf (NaN) fails."""
+    hq, hk, d = SMOLLM2
+    rng = np.random.default_rng(13)
+    max_pages = 6
+    cap = kw.get("softcap")
+    if kind == "decode":
+        lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
+        prog = lower_primfunc(schedule_decode_attention(
+            lay, hq, max_pages, spec, window=window, **kw).mod["main"], spec,
+            "decode_attention", outputs=["out"], **ATTENTION_LOWERING)
+        k, v, pages = _cache(lay, seed=5)
+        pages = pages[:max_pages]
+        q = rng.standard_normal((1, hq, d)).astype(np.float16)
+        runs = [(length - 1, {"valid_len": length}, q[0]) for length in (window - 3, 37, 96)]
+    else:
+        tokens = 32 if kind == "chunked" else 80
+        max_pages = max_pages if kind == "chunked" else tokens // P
+        lay, prog, k, v, pages = _prefill_program(spec, SMOLLM2, tokens, max_pages,
+                                                  chunked=kind == "chunked", window=window,
+                                                  **kw)
+        q = rng.standard_normal((tokens, hq, d)).astype(np.float16)
+        runs = [(pos, {"pos": pos, "valid_len": pos + tokens}, q) for pos in (0, 19, 64)] \
+            if kind == "chunked" else [(0, {}, q)]
+    masks = [c for c in prog.commands if isinstance(c, Vector) and c.op == "mask"]
+    assert any(c.floor is not None or c.window_offset is not None for c in masks)
+    for pos, params, qin in runs:
+        length = pos + len(q)
+        r = Emulator(spec).run(prog, {"K_cache": k, "V_cache": v, "q": qin},
+                               params={**lay.page_table_params(pages, max_pages), **params})
+        kk, vv = gather_reference(k, pages, length), gather_reference(v, pages, length)
+        ref = _attention_ref(q, kk, vv, pos, hq // hk, softcap=cap,
+                             scale=0.125 if cap else None, window=window)
+        got = r.outputs["out"].reshape(ref.shape)
+        assert np.isfinite(got).all()
+        _close(got, ref)
+        if length > window + 16:        # the window hides keys that change this output
+            full = _attention_ref(q, kk, vv, pos, hq // hk, softcap=cap,
+                                  scale=0.125 if cap else None)
+            assert np.abs(ref - full).max() > 0.05
 
 
 # -- list scheduling ----------------------------------------------------------------------
