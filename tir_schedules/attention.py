@@ -97,6 +97,17 @@ are not loaded nor computed). Whole-prompt prefill (static length) does not emit
 tiles at all. The masks use ``npu.mask_len`` (keys >= valid_len) and ``npu.mask_pos``
 (key > pos + query row).
 
+Sliding windows (``window``: keys ``window`` or more positions behind the query hidden;
+Mistral, Qwen2, Gemma-2's and Gemma-3's local layers): the masks also take
+``npu.mask_window``, the window's lower edge, which hides keys at fp32's lowest finite
+value rather than -inf (``isa.py``), on the tiles that edge crosses. A KV tile wholly
+behind the window of every query it serves (the q tile's first row; decode's query at
+``valid_len - 1``) is neither loaded nor computed, by one more predicate (decode, chunked)
+or a compile-time condition (whole prompt); tile 0 always runs, since it starts every
+row's online softmax (the first branch initialises the running max, sum and output). A
+row whose keys in tile 0 are all behind its window starts from finite scores there, and
+the first tile it sees rescales them by ``exp(about -3e38) = 0``.
+
 Knobs: decode ``tile_kv`` (tokens per KV tile: a multiple or divisor of the page),
 ``slots_kv`` (1/2: double-buffered K/V tiles), ``slots_s`` (copies of a KV tile's score
 tiles: 2 lets the next tile's QK^T write while this tile's are read; in decode, whose QK^T
@@ -154,6 +165,16 @@ ATTENTION_LOWERING = {"runtime": ["page_table"], "state": ["K_cache", "V_cache"]
 
 _NEG_INF = float("-inf")
 _ANY = (-(1 << 20), 1 << 20)        # the domain of an iter var bound to a loop value
+_BIG = 1 << 19                      # more than any length or position
+
+
+def _behind_window(start, tile: int, window: int, query):
+    """A predicate value (``coef = -1`` on the query's runtime parameter): the KV tile at
+    ``start`` runs iff its last key is within ``window`` of ``query + parameter`` (some
+    key of it is not behind the window), and tile 0 always (it starts every row's online
+    softmax: ``step``'s first branch)."""
+    first = 1 - tirx.min(tirx.IntImm("int32", 0) + start, 1)      # 1 for tile 0, else 0
+    return query - (start + tile + window - 1) - _BIG * first
 
 
 def two_pass_bytes(tile_q: int, capacity: int, group: int, head_dim: int, *,
@@ -279,7 +300,7 @@ class _Attention:
                       where=lambda lv, pg=pg: t * tt + pg * rt + lv[-2] < klen,
                       ann={"npu.slots": slots, "npu.channel": ch, **valid.ann,
                            **({"npu.valid_whole": 1} if valid.ann else {}),
-                           "npu.predicates": pred})
+                           "npu.predicates": valid.tags(pred)})
 
     def step(self, h, t, rows, row_base, row_ok, ri, klen, valid, mask_ann, part,
              masks=None):
@@ -395,7 +416,8 @@ class _Attention:
                     elementwise("mask", "vector:mask", S, lambda x: x, [S], (rows, tt),
                                 lambda lv, preds=preds: valid.iters(c0) + [
                                     ("S", _ANY, v) for _, _, v in preds] + rk(lv)[nv:],
-                                rk_where, ann={**va, **mask_ann, "npu.predicates": tag or None})
+                                rk_where, ann={**va, **mask_ann,
+                                               "npu.predicates": valid.tags(tag)})
             if self.slopes_t is not None:
                 # ALiBi on every live tile, in place, after the masks (-inf + bias is -inf):
                 # S += slope[head] * (key - query). The expression here is the key alone; the
@@ -567,21 +589,35 @@ class _Attention:
 
 
 class _Validity:
-    """Predicate of a KV tile's ops: ``param - (tile_start - offset) > 0`` (or none)."""
+    """Predicate of a KV tile's ops: ``param - (tile_start - offset) > 0`` (or none), and
+    ``extra`` ones, ``coef * param - value(tile_start) > 0`` each (``npu.predicates``)."""
 
-    def __init__(self, param=None, offset=0):
-        self.param, self.offset = param, offset
+    def __init__(self, param=None, offset=0, extra=()):
+        self.param, self.offset, self.extra = param, offset, tuple(extra)
+
+    def also(self, param: str, coef: int, value) -> "_Validity":
+        """This validity and ``coef * param - value(tile_start) > 0``."""
+        return _Validity(self.param, self.offset, self.extra + ((param, coef, value),))
 
     def iters(self, start):
         if self.param is None:
             return []
-        return [("S", (-(1 << 20), 1 << 20), start - self.offset)]
+        return [("S", _ANY, start - self.offset)] + \
+            [("S", _ANY, value(start)) for _, _, value in self.extra]
 
     @property
     def ann(self):
         if self.param is None:
             return {}
-        return {"npu.valid_len": self.param, "npu.valid_axis": 0}
+        return {"npu.valid_len": self.param, "npu.valid_axis": 0,
+                **({"npu.predicates": self.tags()} if self.extra else {})}
+
+    def tags(self, more: str | None = None) -> str | None:
+        """The ``npu.predicates`` of the extra predicates (their values follow the valid
+        length's among the iters), with ``more`` after them."""
+        out = [f"{p}:{c}:{1 + k}" for k, (p, c, _) in enumerate(self.extra)] + \
+            ([more] if more else [])
+        return ",".join(out) or None
 
 
 def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, tile_kv: int,
@@ -619,6 +655,11 @@ def decode_attention(layout: KVCacheLayout, q_heads: int, max_pages: int, *, til
         o16 = kb.tcm("O16", (hq, d), "float16")
         a.rows_total = g
         valid = _Validity("valid_len", 0)
+        if a.window is not None:
+            # tiles wholly behind the window (of the query at valid_len - 1) are not loaded
+            # nor computed
+            valid = valid.also("valid_len", -1, lambda start: _behind_window(
+                start, a.tt, a.window, -1))
         n_tiles = -(-cap // a.tt)
         qd = lambda lv: [("S", (0, hq), lv[0]), ("S", (0, d), lv[1])]  # noqa: E731
         kb.op("Q_load", "dma", (hq, d), qd,
@@ -715,6 +756,9 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
             # key is past the q tile's first row, the length one where it is past valid_len
             if chunked:
                 valid = _Validity("pos", q_end)       # tile start < pos + q_end
+                if a.window is not None:   # and not behind the q tile's first row's window
+                    valid = valid.also("pos", -1, lambda start, q0=q0: _behind_window(
+                        start, tt, a.window, q0))
                 n_kt = -(-cap // tt)
                 mask_ann = a.mask_ann({"npu.mask_len": "valid_len", "npu.mask_pos": "pos"})
 
@@ -740,8 +784,16 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
                       lambda iv: (a.Q, (h * g + e, iv[0], iv[1]), q_raw[iv[0], h * g + e, iv[1]],
                                   [q_raw[iv[0], h * g + e, iv[1]]], None),
                       where=lambda lv: row_ok(lv[0]))
+            def live(t):
+                """Whole prompt, with a window: a tile wholly behind the q tile's first
+                row's window (a compile-time condition) is neither loaded per q tile nor
+                computed; tile 0 always is. (Chunked: ``valid``'s runtime predicate.)"""
+                if a.window is None or chunked:
+                    return contextlib.nullcontext()
+                return kb.when(tirx.Or(t == 0, t * tt + tt + a.window - 1 > q0))
+
             def part(t, name):      # as in decode: the QK^T of every head first
-                with kb.loop(g, "e") as e:
+                with live(t), kb.loop(g, "e") as e:
                     a.step(h, t, tq, q0, row_ok, lambda i, e=e: (h * g + e, i), kv_len,
                            valid, mask_ann, name, masks)
             if two_pass:
@@ -771,14 +823,17 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
                 # the softmax and P @ V of tile u - 1, whose scores are in the other slot
                 with kb.loop(n_kt + 1, "u") as u:
                     with kb.when(u < n_kt):
-                        a.load_kv(h, u, kv_len, valid, "K")
+                        with live(u):
+                            a.load_kv(h, u, kv_len, valid, "K")
                         part(u, "qk")
                     with kb.when(u > 0):
-                        a.load_kv(h, u - 1, kv_len, valid, "V")
+                        with live(u - 1):
+                            a.load_kv(h, u - 1, kv_len, valid, "V")
                         part(u - 1, "softmax")
             else:
                 with kb.loop(n_kt, "t") as t:
-                    a.load_kv(h, t, kv_len, valid)
+                    with live(t):
+                        a.load_kv(h, t, kv_len, valid)
                     part(t, "qk")
                     part(t, "softmax")
             with kb.loop(g, "e") as e:

@@ -407,12 +407,12 @@ def test_soft_capped_scores_refuse_a_bad_cap(spec):
 
 @pytest.mark.parametrize("kind,window,kw", [
     ("decode", 20, dict(tile_kv=16, slots_s=1)),        # whole tiles behind the window
-    ("decode", 40, dict(tile_kv=32, slots_s=2, softcap=1.5)),
+    ("decode", 30, dict(tile_kv=32, slots_s=2, softcap=1.5)),
     ("prefill", 24, dict(tile_q=32, tile_kv=16, slots_s=2)),
-    ("prefill", 7, dict(tile_q=16, tile_kv=32, slots_s=1, rowsum_mma=0)),
-    ("prefill", 24, dict(tile_q=32, tile_kv=32, slots_s=2, two_pass=1, list_schedule=1)),
+    ("prefill", 7, dict(tile_q=16, tile_kv=16, slots_s=1, rowsum_mma=0)),
+    ("prefill", 18, dict(tile_q=16, tile_kv=16, slots_s=2, two_pass=1, list_schedule=1)),
     ("chunked", 24, dict(tile_q=16, tile_kv=16, slots_s=2)),
-    ("chunked", 33, dict(tile_q=16, tile_kv=32, slots_s=2, two_pass=1, softcap=1.5)),
+    ("chunked", 33, dict(tile_q=16, tile_kv=16, slots_s=2, two_pass=1, softcap=1.5)),
 ])
 def test_sliding_window(spec, kind, window, kw):
     """Keys ``window`` or more positions behind the query hidden (Mistral, Qwen2, Gemma-2's
@@ -420,7 +420,9 @@ def test_sliding_window(spec, kind, window, kw):
     tiles, the first among them, are behind some rows' windows: a tile whose keys are all
     hidden from a row starts its online softmax (at fp32's lowest finite value, not -inf,
     so its weights are rescaled to 0 by the first tile the row sees, not NaN). A window
-    mask skipped on a tile it crosses, off by one, or hiding keys to -inf (NaN) fails."""
+    mask skipped on a tile it crosses, off by one, or hiding keys to -inf (NaN) fails. The
+    tiles wholly behind every row's window are neither loaded nor computed but tile 0,
+    which starts each row's online softmax (counted in the trace; decode's DRAM bytes)."""
     hq, hk, d = SMOLLM2
     rng = np.random.default_rng(13)
     max_pages = 6
@@ -433,7 +435,10 @@ def test_sliding_window(spec, kind, window, kw):
         k, v, pages = _cache(lay, seed=5)
         pages = pages[:max_pages]
         q = rng.standard_normal((1, hq, d)).astype(np.float16)
-        runs = [(length - 1, {"valid_len": length}, q[0]) for length in (window - 3, 37, 96)]
+        # the last length: the tile after tile 0 ends at the window's first visible key
+        t = kw["tile_kv"]
+        runs = [(length - 1, {"valid_len": length}, q[0])
+                for length in (window - 3, 37, 96, 2 * t - 1 + window)]
     else:
         tokens = 32 if kind == "chunked" else 80
         max_pages = max_pages if kind == "chunked" else tokens // P
@@ -441,14 +446,33 @@ def test_sliding_window(spec, kind, window, kw):
                                                   chunked=kind == "chunked", window=window,
                                                   **kw)
         q = rng.standard_normal((tokens, hq, d)).astype(np.float16)
-        runs = [(pos, {"pos": pos, "valid_len": pos + tokens}, q) for pos in (0, 19, 64)] \
-            if kind == "chunked" else [(0, {}, q)]
+        # pos 16 + 14 + window: tile 1's last key is the first q tile's first visible key
+        runs = [(pos, {"pos": pos, "valid_len": pos + tokens}, q)
+                for pos in (0, 19, 64, 30 + window)] if kind == "chunked" else [(0, {}, q)]
     masks = [c for c in prog.commands if isinstance(c, Vector) and c.op == "mask"]
     assert any(c.floor is not None or c.window_offset is not None for c in masks)
+    tt, tq = kw["tile_kv"], kw.get("tile_q", 1)
     for pos, params, qin in runs:
         length = pos + len(q)
         r = Emulator(spec).run(prog, {"K_cache": k, "V_cache": v, "q": qin},
-                               params={**lay.page_table_params(pages, max_pages), **params})
+                               params={**lay.page_table_params(pages, max_pages), **params},
+                               trace=True)
+        # the tiles wholly behind every row's window are not computed (tile 0 is: it
+        # starts the online softmax); decode reads only the others' K and V
+        ran = [prog.commands[e.index] for e in r.trace]
+        if kind == "decode":
+            live = [c0 for c0 in range(0, length, tt) if c0 == 0 or c0 + tt + window > length]
+            assert r.counters.dram_read_bytes == 2 * hq * d + 2 * hk * len(live) * tt * d * 2
+            assert sum(isinstance(c, Mma) and c.transpose_b for c in ran) == hk * len(live)
+        else:
+            rows = len(q)
+            live = sum(1 for q0 in range(0, rows, tq) for c0 in range(0, length, tt)
+                       if c0 < pos + min(q0 + tq, rows) and
+                       (c0 == 0 or c0 + tt + window - 1 > pos + q0))
+            assert sum(isinstance(c, Mma) and c.transpose_b for c in ran) == hq * live
+            every = sum(1 for q0 in range(0, rows, tq) for c0 in range(0, length, tt)
+                        if c0 < pos + min(q0 + tq, rows))
+            assert live < every or pos + rows < 64      # some skipped (past 64 keys)
         kk, vv = gather_reference(k, pages, length), gather_reference(v, pages, length)
         ref = _attention_ref(q, kk, vv, pos, hq // hk, softcap=cap,
                              scale=0.125 if cap else None, window=window)
