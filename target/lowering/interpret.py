@@ -272,8 +272,7 @@ class Interpreter:
         attrs["iter_min"] = tuple(env_min[k] for k in keys)
         for key in ("npu.valid_len", "npu.valid_axis", "npu.valid_whole", "npu.mask_len",
                     "npu.mask_pos", "npu.mask_window", "npu.predicates", "npu.alibi_query",
-                    "npu.alibi_offset",
-                    "npu.alibi_rows"):
+                    "npu.alibi_offset", "npu.alibi_rows"):
             if key in loop.annotations:
                 attrs[key[4:]] = _ann(loop.annotations, key)
         if kind == "mma":
