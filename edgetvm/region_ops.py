@@ -399,6 +399,20 @@ def alibi_slopes(mask, pos: int, s: int) -> np.ndarray | None:
     return slopes.astype(np.float32)
 
 
+def mask_terms(mask, pos: int, s: int, heads: int) -> tuple:
+    """What the attention kernel adds to causality for the additive ``mask`` (..., s,
+    pos + s) of queries at ``pos..``: ``(slopes, window)``, ALiBi's slope per head
+    (:func:`mask_bias`) or None, and the sliding window (:func:`mask_window`) or None;
+    raises ValueError naming what else the mask is."""
+    try:
+        return mask_bias(mask, pos, s, heads), None
+    except ValueError:
+        window = mask_window(mask, pos, s)
+        if window is None:
+            raise
+        return None, window
+
+
 def mask_bias(mask, pos: int, s: int, heads: int) -> np.ndarray | None:
     """What the attention kernel must do for the additive ``mask`` (..., s, pos + s) of
     queries at ``pos..``: None when it is the causal mask, ALiBi's slope per head (``heads``

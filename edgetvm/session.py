@@ -44,7 +44,7 @@ from .npu_regions import (KernelCache, build_cluster, keeps_heads, offloadable,
                           passthrough_outputs,
                           rows_of, unsound_offloads)
 from .offload import offload_regions
-from .region_ops import (activation_input, attention_roles, mask_bias, mask_scale, mask_window,
+from .region_ops import (activation_input, attention_roles, mask_scale, mask_terms,
                          param_index, past_input, result_shapes, rope_dims, rope_heads_axis,
                          rope_roles, softcap)
 
@@ -540,14 +540,11 @@ def _mask_slopes(mask, pos: int, s: int, index: int, heads: int):
     ``pos..pos + s - 1``: ``(None, None)`` when it is the causal mask; ALiBi's slope per
     head (``heads``) when it is that plus ALiBi's bias; the sliding window ``w`` when it
     hides keys ``w`` or more positions behind the query too; else raise (see
-    :func:`~edgetvm.region_ops.mask_bias`)."""
+    :func:`~edgetvm.region_ops.mask_terms`)."""
     try:
-        return mask_bias(mask, pos, s, heads), None
+        return mask_terms(mask, pos, s, heads)
     except ValueError as e:
-        window = mask_window(mask, pos, s)
-        if window is None:
-            raise EdgeTVMError(f"attention region {index}: {e}") from None
-        return None, window
+        raise EdgeTVMError(f"attention region {index}: {e}") from None
 
 
 def _heads_major(x, kv_heads: int, head_dim: int):

@@ -786,11 +786,12 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
                       where=lambda lv: row_ok(lv[0]))
             def live(t):
                 """Whole prompt, with a window: a tile wholly behind the q tile's first
-                row's window (a compile-time condition) is neither loaded per q tile nor
-                computed; tile 0 always is. (Chunked: ``valid``'s runtime predicate.)"""
+                row's window is neither loaded per q tile nor computed, tile 0 always is:
+                ``_behind_window``'s predicate at position 0, a compile-time condition.
+                (Chunked: ``valid``'s runtime predicate.)"""
                 if a.window is None or chunked:
                     return contextlib.nullcontext()
-                return kb.when(tirx.Or(t == 0, t * tt + tt + a.window - 1 > q0))
+                return kb.when(_behind_window(t * tt, tt, a.window, q0) < 0)
 
             def part(t, name):      # as in decode: the QK^T of every head first
                 with live(t), kb.loop(g, "e") as e:

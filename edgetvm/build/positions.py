@@ -22,7 +22,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from edgetvm.region_ops import mask_bias, mask_scale, mask_window
+from edgetvm.region_ops import mask_scale, mask_terms
 
 from .graph import BuildError, PositionTableError
 
@@ -304,15 +304,14 @@ def evaluate_positions(mod, regions, graphs: list, masks: list, positions: int,
             got[var] = got[var] * scale_of[var]
             region = index_of[var]
             try:
-                found = mask_bias(got[var], past, new, heads_of[var])
+                found, window = mask_terms(got[var], past, new, heads_of[var])
             except ValueError as e:
-                window = mask_window(got[var], past, new)
-                if window is None:
-                    raise BuildError(f"attention region {region}: {e}") from None
+                raise BuildError(f"attention region {region}: {e}") from None
+            if window is not None:
                 if windows.setdefault(var, window) != window:
                     raise BuildError(f"attention region {region}: the mask's sliding window "
                                      f"changes with the length ({windows[var]} and {window} "
-                                     f"tokens)") from None
+                                     f"tokens)")
                 continue
             if found is None:
                 causal_up_to[var] = max(causal_up_to.get(var, 0), past + new - 1)

@@ -173,11 +173,16 @@ def _weight_bytes(a: int, b: int, group: int) -> float:
     return a * b / 2 + a * (b // group) * 4 if group else a * b * 2
 
 
+def _weight_dmas(group: int) -> int:
+    """DMAs of one weight tile: fp16 one; W4A16 codes, scales and zero points one each."""
+    return 3 if group else 1
+
+
 def _weight_dma(a: int, b: int, group: int, spec) -> float:
     """Bus cycles of an ``a x b`` weight tile: its bytes over the DRAM rate, a set-up per
-    DMA (codes, scales and zero points are one each)."""
+    DMA."""
     return _weight_bytes(a, b, group) / spec.dram_bytes_per_cycle + \
-        spec.dma_setup_cycles * (3 if group else 1)
+        spec.dma_setup_cycles * _weight_dmas(group)
 
 
 def _mma(m: int, n: int, k: int, spec) -> int:
@@ -387,7 +392,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
             w_dram += wb * loads                      # weights re-read per row tile
             nt = math.ceil(n / tn) * math.ceil(k / tk)
             w_tiles += nt * tiles
-            dma += (1 if rw else nt * tiles) * (3 if group else 1)
+            dma += (1 if rw else nt * tiles) * _weight_dmas(group)
             macs += rows * n * k
             tcm += (wb if rw else kn.get("slots_w", 1) * tn * tk * per_w) + \
                 kn.get("slots_c", 1) * tm * tn * 4

@@ -66,31 +66,34 @@ def fold(src, dst, seq, past):
     onnx.save(onnxslim.slim(src, input_shapes=shapes), dst)
 
 
-def _export(work, family, config, seed=0):
+def _export(work, family, config, seed=0, onnx_config=None, **export_options):
     """``config`` as the zoo tool makes its families: random weights from
     ``torch.manual_seed(seed)``, optimum's with-past export, as
-    ``<family>_tiny_with_past.onnx``."""
+    ``<family>_tiny_with_past.onnx``; ``onnx_config(model.config)``: the export's config
+    (see :func:`_save_and_export`)."""
     import torch
     import transformers
     torch.manual_seed(seed)
-    _save_and_export(work, family, transformers.AutoModelForCausalLM.from_config(config).eval())
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _save_and_export(work, family, model,
+                     onnx_config(model.config) if onnx_config else None, **export_options)
 
 
 def _save_and_export(work, family, model, onnx_config=None, **export_options):
     """Save ``model`` and export it with past as ``<family>_tiny_with_past.onnx``: with
-    optimum-cli, or through ``main_export`` with ``onnx_config`` (a family optimum-onnx 0.1
-    has no config for)."""
+    optimum-cli, or in this process through ``main_export`` when given ``onnx_config`` (a
+    family optimum-onnx 0.1 has no config for) or ``export_options``."""
     hf = os.path.join(work, f"hf_{family}")
     out = os.path.join(work, f"onnx_{family}")
     model.save_pretrained(hf)
-    if onnx_config is None:
+    if onnx_config is None and not export_options:
         cli = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
         subprocess.run([cli, "export", "onnx", "-m", hf, "--task",
                         "text-generation-with-past", out], check=True)
     else:
         from optimum.exporters.onnx import main_export
-        main_export(hf, out, task="text-generation-with-past",
-                    custom_onnx_configs={"model": onnx_config}, **export_options)
+        custom = {"custom_onnx_configs": {"model": onnx_config}} if onnx_config else {}
+        main_export(hf, out, task="text-generation-with-past", **custom, **export_options)
     onnx.save(onnx.load(os.path.join(out, "model.onnx")),
               os.path.join(HERE, f"{family}_tiny_with_past.onnx"))
 
@@ -171,16 +174,12 @@ def export_gpt_neox_japanese(work):
     added in the residual, broadcast to the tokens by an ``Expand`` (a value of the
     positions' shape that meets NPU data), rotary over the whole head, multi-head;
     exported with optimum's Llama config, the KV heads read from the attention heads."""
-    import torch
     import transformers
-    torch.manual_seed(0)
-    config = transformers.GPTNeoXJapaneseConfig(
+    _export(work, "gpt_neox_japanese", transformers.GPTNeoXJapaneseConfig(
         initializer_range=0.2, vocab_size=512, hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, intermediate_multiple_size=2, rotary_pct=1.0,
-        max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    _save_and_export(work, "gpt_neox_japanese", model, _llama_onnx_config(model.config),
-                     do_validation=False)
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2),
+        onnx_config=_llama_onnx_config, do_validation=False)
 
 
 def export_mistral(work):
@@ -225,22 +224,16 @@ def export_gemma2_softcap(work):
         final_logit_softcapping=5.0, attn_logit_softcapping=2.0, query_pre_attn_scalar=16,
         sliding_window=4096, pad_token_id=0, bos_token_id=2, eos_token_id=1,
         tie_word_embeddings=True)
-    from optimum.exporters.onnx import main_export
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager").eval()
-    hf = os.path.join(work, "hf_gemma2_softcap")
-    out = os.path.join(work, "onnx_gemma2_softcap")
-    model.save_pretrained(hf)
-    load = TasksManager.get_model_from_task          # in this process, not optimum-cli's
+    load = TasksManager.get_model_from_task    # in this process (export options: not the CLI)
     TasksManager.get_model_from_task = staticmethod(
         lambda *a, **k: load(*a, **{**k, "attn_implementation": "eager"}))
     try:
-        main_export(hf, out, task="text-generation-with-past", do_validation=False)
+        _save_and_export(work, "gemma2_softcap", model, do_validation=False)
     finally:
         TasksManager.get_model_from_task = load
-    onnx.save(onnx.load(os.path.join(out, "model.onnx")),
-              os.path.join(HERE, "gemma2_softcap_tiny_with_past.onnx"))
 
 
 def export_gptj(work):

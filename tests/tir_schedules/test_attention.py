@@ -338,6 +338,34 @@ def test_two_pass_prefill_attention(spec, shape, tokens, chunked, tile_q, tile_k
                if c.op == "mul" and c.dst.shape[1] == d and c.dst.shape[0] > 1)  # (not 1 / l)
 
 
+def _variant(spec, kind, rng, cache_seed, lengths, positions, q_scale=1.0, **kw):
+    """SmolLM2's attention lowered with ``kw`` as ``kind``: "decode" over a shuffled
+    6-page cache (seed ``cache_seed``), "prefill" (80 tokens, whole prompt) or "chunked"
+    (32 tokens, 6 pages); queries from ``rng`` times ``q_scale``. Returns ``(layout,
+    program, K, V, pages, max_pages, q, runs)``, a run ``(query position, params, q fed)``
+    for each decode valid length in ``lengths`` or chunk position in ``positions``."""
+    hq, hk, d = SMOLLM2
+    max_pages = 6
+    if kind == "decode":
+        lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
+        prog = lower_primfunc(schedule_decode_attention(lay, hq, max_pages, spec,
+                                                        **kw).mod["main"], spec,
+                              "decode_attention", outputs=["out"], **ATTENTION_LOWERING)
+        k, v, pages = _cache(lay, seed=cache_seed)
+        pages = pages[:max_pages]
+        q = (rng.standard_normal((1, hq, d)) * q_scale).astype(np.float16)
+        runs = [(length - 1, {"valid_len": length}, q[0]) for length in lengths]
+    else:
+        tokens = 32 if kind == "chunked" else 80
+        max_pages = max_pages if kind == "chunked" else tokens // P
+        lay, prog, k, v, pages = _prefill_program(spec, SMOLLM2, tokens, max_pages,
+                                                  chunked=kind == "chunked", **kw)
+        q = (rng.standard_normal((tokens, hq, d)) * q_scale).astype(np.float16)
+        runs = [(pos, {"pos": pos, "valid_len": pos + tokens}, q) for pos in positions] \
+            if kind == "chunked" else [(0, {}, q)]
+    return lay, prog, k, v, pages, max_pages, q, runs
+
+
 @pytest.mark.parametrize("kind,kw", [
     ("decode", dict(tile_kv=32, slots_s=1)),
     ("decode", dict(tile_kv=16, slots_s=2)),
@@ -356,26 +384,9 @@ def test_soft_capped_scores(spec, kind, kw):
     would raise them to -cap)."""
     hq, hk, d = SMOLLM2
     scale, cap = 0.75, 1.5
-    rng = np.random.default_rng(11)
-    max_pages = 6
-    if kind == "decode":
-        lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
-        prog = lower_primfunc(schedule_decode_attention(
-            lay, hq, max_pages, spec, scale=scale, softcap=cap, **kw).mod["main"], spec,
-            "decode_attention", outputs=["out"], **ATTENTION_LOWERING)
-        k, v, pages = _cache(lay, seed=4)
-        pages = pages[:max_pages]
-        q = (rng.standard_normal((1, hq, d)) * 6).astype(np.float16)
-        runs = [(length - 1, {"valid_len": length}, q[0]) for length in (37, 96)]
-    else:
-        tokens = 32 if kind == "chunked" else 80
-        max_pages = max_pages if kind == "chunked" else tokens // P
-        lay, prog, k, v, pages = _prefill_program(spec, SMOLLM2, tokens, max_pages,
-                                                  chunked=kind == "chunked", scale=scale,
-                                                  softcap=cap, **kw)
-        q = (rng.standard_normal((tokens, hq, d)) * 6).astype(np.float16)
-        runs = [(pos, {"pos": pos, "valid_len": pos + tokens}, q) for pos in (0, 19, 64)] \
-            if kind == "chunked" else [(0, {}, q)]
+    lay, prog, k, v, pages, max_pages, q, runs = _variant(
+        spec, kind, np.random.default_rng(11), 4, (37, 96), (0, 19, 64), q_scale=6,
+        scale=scale, softcap=cap, **kw)
     # capped once per tile of scores, on the vector unit: rsqrt(exp(2 scale s) + 1)
     caps = [c for c in prog.commands if isinstance(c, Vector) and c.op == "rsqrt"
             and c.imm == 1.0]
@@ -424,34 +435,16 @@ def test_sliding_window(spec, kind, window, kw):
     tiles wholly behind every row's window are neither loaded nor computed but tile 0,
     which starts each row's online softmax (counted in the trace; decode's DRAM bytes)."""
     hq, hk, d = SMOLLM2
-    rng = np.random.default_rng(13)
-    max_pages = 6
     cap = kw.get("softcap")
-    if kind == "decode":
-        lay = KVCacheLayout(kv_heads=hk, head_dim=d, num_pages=max_pages + 2, page_tokens=P)
-        prog = lower_primfunc(schedule_decode_attention(
-            lay, hq, max_pages, spec, window=window, **kw).mod["main"], spec,
-            "decode_attention", outputs=["out"], **ATTENTION_LOWERING)
-        k, v, pages = _cache(lay, seed=5)
-        pages = pages[:max_pages]
-        q = rng.standard_normal((1, hq, d)).astype(np.float16)
-        # the last length: the tile after tile 0 ends at the window's first visible key
-        t = kw["tile_kv"]
-        runs = [(length - 1, {"valid_len": length}, q[0])
-                for length in (window - 3, 37, 96, 2 * t - 1 + window)]
-    else:
-        tokens = 32 if kind == "chunked" else 80
-        max_pages = max_pages if kind == "chunked" else tokens // P
-        lay, prog, k, v, pages = _prefill_program(spec, SMOLLM2, tokens, max_pages,
-                                                  chunked=kind == "chunked", window=window,
-                                                  **kw)
-        q = rng.standard_normal((tokens, hq, d)).astype(np.float16)
-        # pos 16 + 14 + window: tile 1's last key is the first q tile's first visible key
-        runs = [(pos, {"pos": pos, "valid_len": pos + tokens}, q)
-                for pos in (0, 19, 64, 30 + window)] if kind == "chunked" else [(0, {}, q)]
+    tt, tq = kw["tile_kv"], kw.get("tile_q", 1)
+    # decode's last length: the tile after tile 0 ends at the window's first visible key;
+    # chunk position 16 + 14 + window: tile 1's last key is the first q tile's first
+    # visible key
+    lay, prog, k, v, pages, max_pages, q, runs = _variant(
+        spec, kind, np.random.default_rng(13), 5, (window - 3, 37, 96, 2 * tt - 1 + window),
+        (0, 19, 64, 30 + window), window=window, **kw)
     masks = [c for c in prog.commands if isinstance(c, Vector) and c.op == "mask"]
     assert any(c.floor is not None or c.window_offset is not None for c in masks)
-    tt, tq = kw["tile_kv"], kw.get("tile_q", 1)
     for pos, params, qin in runs:
         length = pos + len(q)
         r = Emulator(spec).run(prog, {"K_cache": k, "V_cache": v, "q": qin},
