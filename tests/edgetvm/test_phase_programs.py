@@ -831,12 +831,12 @@ def test_an_alibi_bias_that_changes_with_the_length_is_refused(monkeypatch):
     import edgetvm.build.positions as positions
     from edgetvm.build.graph import BuildError
 
-    real = positions.mask_bias
+    real = positions.mask_terms
 
     def drifting(mask, past, new, heads):
-        slopes = real(mask, past, new, heads)
-        return None if slopes is None else slopes * (1 + past)
-    monkeypatch.setattr(positions, "mask_bias", drifting)
+        slopes, window = real(mask, past, new, heads)
+        return (None if slopes is None else slopes * (1 + past)), window
+    monkeypatch.setattr(positions, "mask_terms", drifting)
     mc = ModelCompiler(str(_path("mpt")), max_tokens=MAX_TOKENS, max_rows=16)
     with pytest.raises(BuildError, match="changes with the length"):
         mc.graph("decode", 1, 1)
