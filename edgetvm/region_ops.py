@@ -291,6 +291,14 @@ def result_shapes(func, positions, args) -> list:
     return [eval_shape(f.shape.values, env) for f in fields]
 
 
+def result_dtypes(func) -> list:
+    """Dtypes of the region's results (one per tuple field): the model's own float
+    width (float32, or float16 in a float16 export), whatever the NPU computed in."""
+    ret = func.ret_ty
+    fields = ret.fields if isinstance(ret, relax.TupleType) else [ret]
+    return [str(f.dtype) for f in fields]
+
+
 def past_input(region) -> tuple:
     """(layer, "key" | "value", runtime arg position) of a KV-append region's past input
     (``past_key_values_<n>_key`` at the call site)."""

@@ -45,7 +45,7 @@ from .npu_regions import (KernelCache, build_cluster, keeps_heads, offloadable,
                           rows_of, unsound_offloads)
 from .offload import offload_regions
 from .region_ops import (activation_input, attention_roles, mask_scale, mask_terms,
-                         param_index, past_input, result_shapes, rope_dims, rope_heads_axis,
+                         param_index, past_input, result_dtypes, result_shapes, rope_dims, rope_heads_axis,
                          rope_roles, softcap)
 
 log = logging.getLogger("edgetvm")
@@ -177,8 +177,11 @@ class NPUSession:
         if mask is not None and not np.all(mask):
             raise EdgeTVMError("padded sequences (zeros in attention_mask) are not supported: "
                                "the NPU attention masks by length and causality only")
-        args = [tvm.runtime.tensor(np.ascontiguousarray(feeds[n])) for n in
-                self.imported.input_names]
+        # float inputs in the width the imported graph takes (its interface casts folded:
+        # frontend/io_casts.py); the params are in the order of the inputs
+        params = self.imported.mod["main"].params
+        args = [tvm.runtime.tensor(np.ascontiguousarray(_as_param(feeds[n], p)))
+                for n, p in zip(self.imported.input_names, params)]
         self._error = None
         try:
             out = self.vm["main"](*args)
@@ -210,6 +213,7 @@ class NPUSession:
 
         passthrough = passthrough_outputs(region.func)
         order = _kernel_input_order(region)
+        dtypes = result_dtypes(region.func)
 
         def run(*tensors):
             # shape arguments of the region's glue reshapes are not data
@@ -218,11 +222,11 @@ class NPUSession:
             shapes = result_shapes(region.func, region.runtime_positions, tensors)
             y = self._npu(region, arrays)
             if not passthrough:
-                return tvm.runtime.tensor(y.reshape(shapes[0]).astype(np.float32))
+                return tvm.runtime.tensor(y.reshape(shapes[0]).astype(dtypes[0]))
             x = arrays[0]
             outs = [x if p else y for p in passthrough]
             return tvm_ffi.convert([tvm.runtime.tensor(np.ascontiguousarray(
-                o.reshape(shp).astype(np.float32))) for o, shp in zip(outs, shapes)])
+                o.reshape(shp).astype(dt))) for o, shp, dt in zip(outs, shapes, dtypes)])
         return run
 
     def _npu(self, region, arrays) -> np.ndarray:
@@ -268,6 +272,7 @@ class NPUSession:
         roles = rope_roles(region.func)
         rotary = int(region.attrs["edgetvm.rotary_dim"])
         heads_major = rope_heads_axis(region) == 1
+        (dtype,) = result_dtypes(region.func)
 
         def run(*args):
             given = dict(zip(region.runtime_positions, args))
@@ -286,9 +291,9 @@ class NPUSession:
             rows = b * s
             y = self._npu(region, [np.ascontiguousarray(x[..., :rotary]).reshape(rows, h * rotary),
                                    cos.reshape(rows, rotary), sin.reshape(rows, rotary)])
-            y = y.reshape(b, s, h, rotary).astype(np.float32)
+            y = y.reshape(b, s, h, rotary).astype(dtype)
             if rotary < d:
-                y = np.concatenate([y, x[..., rotary:].astype(np.float32)], axis=-1)
+                y = np.concatenate([y, x[..., rotary:].astype(dtype)], axis=-1)
             if heads_major:
                 y = y.transpose(0, 2, 1, 3)
             return tvm.runtime.tensor(np.ascontiguousarray(y))
@@ -300,6 +305,7 @@ class NPUSession:
         its length bucket."""
         table = next(v for v in region.args if v is not None and np.ndim(v) == 2)
         vocab, hidden = table.shape
+        (dtype,) = result_dtypes(region.func)
 
         def run(*args):
             # token ids (batch, seq), or positions of any shape (XGLM's are flat)
@@ -321,7 +327,7 @@ class NPUSession:
             params = {f"ids.{i}": int(flat[i]) if i < rows else 0 for i in range(c)}
             res = self.timeline.run(program, {}, params=params)
             self.meter.add("embedding", res.counters)
-            out = res.outputs["out"][:rows].reshape(*ids.shape, hidden).astype(np.float32)
+            out = res.outputs["out"][:rows].reshape(*ids.shape, hidden).astype(dtype)
             return tvm.runtime.tensor(out)
         return run
 
@@ -473,8 +479,8 @@ class NPUSession:
             if heads_major_out:              # (s, hq, d) -> (hq, s, d): Falcon's layout
                 out = out.transpose(1, 0, 2)
             (shape,) = result_shapes(region.func, region.runtime_positions, args)
-            return tvm.runtime.tensor(np.ascontiguousarray(
-                out.reshape(shape).astype(np.float32)))
+            (dtype,) = result_dtypes(region.func)
+            return tvm.runtime.tensor(np.ascontiguousarray(out.reshape(shape).astype(dtype)))
         return run
 
     def _attend(self, layer: int, q, pos: int, scale: float, slopes=None,
@@ -561,3 +567,12 @@ def _heads_major(x, kv_heads: int, head_dim: int):
     if x.ndim == 4 and x.shape[1] != kv_heads and x.shape[2] == kv_heads:
         return x.transpose(0, 2, 1, 3)
     return x
+
+
+def _as_param(array, param) -> np.ndarray:
+    """``array`` in ``param``'s float dtype where both are float, else unchanged."""
+    array = np.asarray(array)
+    dtype = str(getattr(param.ty, "dtype", ""))
+    if array.dtype.kind == "f" and dtype.startswith("float") and array.dtype.name != dtype:
+        return array.astype(dtype)
+    return array

@@ -22,6 +22,7 @@ from .clip import convert_clip, convert_max, convert_min
 from .constant_folding import fold_constant_node
 from .einsum import convert_einsum
 from .dynamic_shape_fixes import DYNAMIC_SHAPE_FIXES
+from .io_casts import fold_io_casts
 from .loader import load_model, op_histogram
 from .matmul_nbits import convert_matmul_nbits
 from .shape_overrides import apply_shape_overrides
@@ -162,7 +163,7 @@ def import_onnx(
         The model uses ops edgetvm cannot compile (all listed, before any conversion).
     """
     loaded = load_model(path_or_model)
-    model = _with_unique_node_names(loaded.model)
+    model = fold_io_casts(_with_unique_node_names(loaded.model))
     if shape_overrides:
         model = apply_shape_overrides(model, shape_overrides, loaded.source)
 

@@ -9,6 +9,7 @@ no protobuf or TVM traceback ever reaches the user.
 from __future__ import annotations
 
 import collections
+import heapq
 import os
 from dataclasses import dataclass
 
@@ -97,6 +98,8 @@ def load_model(path_or_model) -> LoadedModel:
     # Ops first: an op unknown to ONNX itself would otherwise stop at the checker's first
     # complaint, while this lists every op the user has to deal with.
     check_supported_ops(model, source)
+    if sort_topologically(model.graph, source):
+        path = None  # the checker must see the sorted model, not the file
     _run_checker(model, source, path)
     return LoadedModel(model=model, source=source, opset=default_opset(model))
 
@@ -129,6 +132,67 @@ def _check_is_onnx(model: onnx.ModelProto, source: str) -> None:
         raise ModelImportError(
             f"{source}: ONNX IR version {model.ir_version} is too old (need >= 3, ONNX 1.1)"
         )
+
+
+def _outer_names(node: onnx.NodeProto) -> set[str]:
+    """Names ``node``'s subgraphs (If/Loop bodies) read from the enclosing graphs: they
+    are inputs of the node as much as its listed ones are."""
+    produced: set[str] = set()
+    read: set[str] = set()
+    for attr in node.attribute:
+        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for graph in graphs:
+            produced.update(i.name for i in graph.input)
+            produced.update(i.name for i in graph.initializer)
+            for inner in graph.node:
+                read.update(n for n in inner.input if n)
+                read.update(_outer_names(inner))
+                produced.update(inner.output)
+            read.update(o.name for o in graph.output)
+    return read - produced
+
+
+def sort_topologically(graph: onnx.GraphProto, source: str = "<ModelProto>") -> bool:
+    """Put ``graph``'s nodes in an order where every value is made before it is read,
+    keeping the file's order wherever it already is one. Returns whether it moved any.
+
+    ONNX requires the order, but onnxruntime does not, and some tools (the float16
+    converter of ``onnxruntime.transformers`` among them) write graphs out of it; such a
+    model runs under onnxruntime, so it is taken here rather than refused by the checker.
+    A cycle is refused: it names a value that no order can make before it is read.
+    """
+    nodes = list(graph.node)
+    producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    deps = []
+    for i, node in enumerate(nodes):
+        reads = {n for n in node.input if n} | _outer_names(node)
+        deps.append({producer[n] for n in reads if n in producer and producer[n] != i})
+    if all(d < i for i, ds in enumerate(deps) for d in ds):
+        return False
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, ds in enumerate(deps):
+        for d in ds:
+            users[d].append(i)
+    waiting = [len(ds) for ds in deps]
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)  # the earliest ready node: the file's order where it can
+        order.append(i)
+        for u in users[i]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) < len(nodes):
+        stuck = next(nodes[i] for i, w in enumerate(waiting) if w > 0)
+        raise ModelImportError(
+            f"{source}: the graph has a cycle: node {stuck.name or stuck.op_type!r} reads a "
+            "value made (through other nodes) from its own output"
+        )
+    del graph.node[:]
+    graph.node.extend(nodes[i] for i in order)
+    return True
 
 
 def _run_checker(model: onnx.ModelProto, source: str, path=None) -> None:

@@ -37,7 +37,14 @@ def onnxruntime_model(path):
     inputs = {i.name: i for i in sess.get_inputs()}
     kv = {n: (1, i.shape[1], 0, i.shape[3]) for n, i in inputs.items()
           if n.startswith("past_key_values")}
-    return (lambda feeds: dict(zip(names, sess.run(None, feeds)))), set(inputs), kv
+    # float feeds in the width each input takes (a float16 export's KV cache is float16)
+    width = {n: np.float16 if i.type == "tensor(float16)" else np.float32
+             for n, i in inputs.items() if i.type in ("tensor(float16)", "tensor(float)")}
+
+    def run(feeds):
+        feeds = {k: v.astype(width[k]) if k in width else v for k, v in feeds.items()}
+        return dict(zip(names, sess.run(None, feeds)))
+    return run, set(inputs), kv
 
 
 def assert_outputs_close(got_calls, want_calls, label=""):

@@ -639,3 +639,85 @@ def test_einsum_of_a_linear_is_recognised_and_nothing_else(equation, form):
     from edgetvm.frontend.einsum import _linear_form
 
     assert _linear_form(equation) == form
+
+
+# -- graphs out of order, interfaces cast between float widths ------------------------------
+def _relu_between_casts(x_type=TensorProto.FLOAT, to=TensorProto.FLOAT16, extra_reader=False):
+    """x (x_type) -> Cast(to) -> Identity -> Cast(float32) -> y: the interface casts of a
+    float16 conversion that kept float32 inputs and outputs (an Identity: for ops without
+    a float16 kernel onnxruntime computes in float32, dropping the casts itself)."""
+    nodes = [helper.make_node("Cast", ["x"], ["x16"], name="cast_in", to=to),
+             helper.make_node("Identity", ["x16"], ["r"], name="op"),
+             helper.make_node("Cast", ["r"], ["y"], name="cast_out", to=TensorProto.FLOAT)]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])]
+    if extra_reader:   # x read by something other than its cast: not folded
+        nodes.append(helper.make_node("Identity", ["x"], ["x_copy"], name="copy"))
+        outputs.append(helper.make_tensor_value_info("x_copy", x_type, [2, 3]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", x_type, [2, 3])],
+                              outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_interface_casts_between_float_widths_are_folded():
+    import onnxruntime as ort
+
+    from edgetvm.frontend.io_casts import fold_io_casts
+    model = _relu_between_casts()
+    folded = fold_io_casts(model)
+    assert [n.op_type for n in folded.graph.node] == ["Identity"]
+    assert folded.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    assert folded.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    assert folded.graph.node[0].input[0] == "x" and folded.graph.node[0].output[0] == "y"
+    onnx.checker.check_model(folded)
+    # the same values: the cast's rounding now happens where the input is made
+    x = np.array([[-1.0, 0.1, 3.3], [70000.0, -0.0, 1e-8]], np.float32)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(model.SerializeToString(), opts).run(None, {"x": x})[0]
+    assert np.isinf(want[1, 0]) and want[1, 2] == 0      # float16's range and rounding
+    got = ort.InferenceSession(folded.SerializeToString(), opts).run(
+        None, {"x": x.astype(np.float16)})[0]
+    np.testing.assert_array_equal(got.astype(np.float32), want)
+    assert fold_io_casts(model) is not model and len(model.graph.node) == 3  # not in place
+
+
+@pytest.mark.parametrize("case", ["other reader", "cast to int", "already the width"])
+def test_interface_casts_that_change_values_are_kept(case):
+    from edgetvm.frontend.io_casts import fold_io_casts
+    model = {"other reader": lambda: _relu_between_casts(extra_reader=True),
+             "cast to int": lambda: _relu_between_casts(to=TensorProto.INT32),
+             "already the width": lambda: _relu_between_casts(to=TensorProto.FLOAT)}[case]()
+    folded = fold_io_casts(model)
+    assert folded.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert "cast_in" in [n.name for n in folded.graph.node]
+
+
+def test_a_graph_out_of_order_is_sorted_and_a_cycle_refused(tmp_path):
+    """onnxruntime runs graphs whose nodes are out of order (its float16 converter writes
+    them so); the checker refuses them. The loader sorts them, keeping the file's order
+    where it can; a cycle has no order and is refused naming a node in it."""
+    from edgetvm.frontend.loader import load_model, sort_topologically
+    model = onnx.load(str(model_path("llama_tiny_with_past.onnx")))
+    order = [n.name for n in model.graph.node]
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes[len(nodes) // 2:] + nodes[:len(nodes) // 2])
+    path = tmp_path / "halves_swapped.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(str(path))
+    loaded = load_model(str(path))
+    made = {i.name for i in loaded.model.graph.input} | \
+        {i.name for i in loaded.model.graph.initializer} | {""}
+    for node in loaded.model.graph.node:       # every value made before it is read
+        assert set(node.input) <= made, node.name
+        made.update(node.output)
+    assert sorted(n.name for n in loaded.model.graph.node) == sorted(order)
+    assert not sort_topologically(loaded.model.graph)     # a sorted graph stays as it is
+    imported = import_onnx(str(path))
+    assert imported.output_names[0] == "logits"
+
+    cyc = _relu_between_casts()
+    cyc.graph.node[0].input[0] = "r"         # cast_in reads op's output, op reads it
+    with pytest.raises(ModelImportError, match="has a cycle: node '(cast_in|op)'"):
+        load_model(cyc)
