@@ -133,7 +133,8 @@ def measure(n_servers: int, jobs: list) -> dict:
 def measure_tuner(n_servers: int, trials: int, batch: int) -> dict:
     """The tuner measuring ``trials`` kernel candidates (``cuts=False``: the same tasks
     for every server count) of the bundled example's decode program on the tracker's
-    servers, lowered by as many local processes (``--workers``); candidates per minute of
+    servers: with N > 1 servers, N local workers (``--workers N``) each lower their
+    candidates and run them on a server session of their own; candidates per minute of
     tuning (after the front end, which is the same for any number of servers). Every
     seventh logged measurement is checked against a local one."""
     from edgetvm.build.compiler import ModelCompiler

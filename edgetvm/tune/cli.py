@@ -81,7 +81,9 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     gain too little). A short budget is one round.
     Candidates are measured in this process, on ``workers`` local emulator processes, or
     on the servers of the TVM RPC tracker ``rpc_tracker`` ("HOST:PORT") under
-    ``rpc_key`` (``workers``: how many of them at once; default every free one).
+    ``rpc_key`` (``workers`` > 1: as many local processes, each lowering its candidates and
+    running them on a server session of its own; 1: lowered here, each batch spread over
+    every free server).
     ``validate``: link every selected phase program with the default (the strategy's
     partition, default knobs) and with the replayed log, and measure both
     (``rep["phases"]``). ``kinds``: tune only tasks of these kinds (:func:`task_kinds`;
@@ -261,16 +263,22 @@ def program_counters(mc, key):
 def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
                   timeout=300.0):
     """The measurer the options ask for (:mod:`edgetvm.tune.measure`)."""
-    from .measure import ForkMeasurer, LocalMeasurer, RunnerMeasurer
+    from .measure import ForkMeasurer, LocalMeasurer, RunnerDevice, RunnerMeasurer
     if rpc_tracker:
         from edgetvm.rpc_protocol import DEFAULT_KEY
         from edgetvm.runner import connect
         key = rpc_key or DEFAULT_KEY
-        runner = connect(f"tracker://{rpc_tracker}/{key}", spec=mc.spec,
-                         max_workers=workers if workers > 1 else None,
-                         call_timeout=timeout)
+        url = f"tracker://{rpc_tracker}/{key}"
+        runner = connect(url, spec=mc.spec, call_timeout=timeout, hold_sessions=True)
         _wait_for_a_server(runner, rpc_tracker, key)
-        return RunnerMeasurer(mc, runner, profile, tasks, lower_workers=workers)
+        if workers <= 1:   # lowered here, each batch spread over every server
+            return RunnerMeasurer(mc, runner, profile, tasks)
+
+        def device():      # in each forked worker: a server session of its own
+            return RunnerDevice(connect(url, spec=mc.spec, max_workers=1,
+                                        call_timeout=timeout, hold_sessions=True), profile)
+        return ForkMeasurer(mc, tasks, profile, workers, timeout, device=device,
+                            runner=runner)
     if workers > 1:
         return ForkMeasurer(mc, tasks, profile, workers, timeout)
     return LocalMeasurer(mc, profile)
@@ -349,8 +357,10 @@ def main(argv=None) -> int:
                     help="tuning log directory (default tuning_logs/)")
     ap.add_argument("--workers", type=int, default=1, metavar="N",
                     help="local emulator processes measuring in parallel; with "
-                         "--rpc-tracker, local processes lowering candidates and servers "
-                         "used at once (default 1: every free server, lowering here)")
+                         "--rpc-tracker, local processes each lowering its candidates and "
+                         "running them on a server session of its own (N servers at once; "
+                         "default 1: lowering here, each batch spread over every free "
+                         "server)")
     ap.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
                     help="measure on the emulator servers of this TVM RPC tracker")
     ap.add_argument("--rpc-key", default=None, metavar="KEY",

@@ -29,6 +29,7 @@ emulator would leave most of the work serial.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ from edgetvm.build.cuts import joinable
 from edgetvm.build.graph import BuildError
 from edgetvm.build.measure import context_programs, measurement_params, run_twice
 from edgetvm.errors import CandidateRejected, EdgeTVMError
+from edgetvm.runner.base import RunnerConnectionError
 from edgetvm.target.emulator import CycleLimitExceeded, Emulator
 from edgetvm.target.emulator.power import MIN_SCALE
 
@@ -158,8 +160,12 @@ class TooSlow(Exception):
 
 def measure_candidate(mc, task, knobs, emulator, slow_after: int | None = None
                       ) -> Measurement:
-    """Lower and measure one candidate in this process (raises CandidateRejected, and
-    TooSlow once it has cost ``slow_after`` cycles)."""
+    """Lower one candidate in this process and measure it on ``emulator`` (raises
+    CandidateRejected, and TooSlow once it has cost ``slow_after`` cycles), or on a
+    :class:`RunnerDevice`'s server (``slow_after`` not applied: a server runs every
+    candidate to its end)."""
+    if isinstance(emulator, RunnerDevice):
+        return emulator.measure(mc, task, knobs)
     job = lower_candidate(mc, task, knobs)
     alone = _neighbours_alone(task, job, emulator)
     limit = None
@@ -196,6 +202,36 @@ def _neighbours_alone(task, job, emulator):
     return _ALONE[key][1]
 
 
+class RunnerDevice:
+    """Candidates lowered here, run on an ``edgetvm.runner`` (a session of a tracker's
+    server): the chain linked once and twice, and the neighbours alone once per task, as
+    :class:`RunnerMeasurer` runs them (see the module docstring)."""
+
+    def __init__(self, runner, profile):
+        self.runner, self.profile = runner, profile
+        self.alone: dict = {}            # (task workload, context) -> steady figures
+
+    def measure(self, mc, task, knobs) -> Measurement:
+        from edgetvm.runner import RunJob
+        once, twice = _lower_chains(mc, task, knobs, reraise=True)
+        runs = [RunJob(j.program, {}, j.params, self.profile) for j in (once, twice)]
+        key = (task.workload, task.context)
+        alone_now = once.without is not None and key not in self.alone
+        if alone_now:
+            runs += [RunJob(j.without, {}, j.without_params, self.profile)
+                     for j in (once, twice)]
+        res = self.runner.run_many(runs, return_exceptions=True)
+        if alone_now:
+            alone = _steady(res[2], res[3])
+            if isinstance(alone, BaseException):
+                raise alone
+            self.alone[key] = alone
+        chain = _steady(res[0], res[1])
+        if isinstance(chain, BaseException):
+            raise chain
+        return in_context(chain, self.alone.get(key) if once.without is not None else None)
+
+
 def _lower_and_run(mc, task, knobs, emulator, slow_after=None):
     t0 = time.time()
     try:
@@ -204,6 +240,8 @@ def _lower_and_run(mc, task, knobs, emulator, slow_after=None):
         res = CandidateRejected(str(e))
     except TooSlow as e:
         res = e
+    except RunnerConnectionError as e:                 # a lost server (RunnerDevice)
+        res = RunnerConnectionError(str(e))            # (its message only: it pickles)
     except Exception as e:                             # noqa: BLE001 - a failed trial
         interrupt.check()
         res = RuntimeError(f"{type(e).__name__}: {e}")
@@ -277,18 +315,29 @@ class ForkMeasurer(Measurer):
     past ``timeout`` seconds is a failed trial (the i-th of a batch is given until
     ``timeout * (i // workers + 1)`` after the batch started: the candidates queued before
     it take their turn first); the pool is then stopped (the hung worker with it) and
-    forked again for the next batch."""
+    forked again for the next batch.
+
+    ``device``: what each worker runs its candidates on, made in the worker once forked
+    (a zero-argument callable): by default a local emulator; for a tracker, a
+    :class:`RunnerDevice` holding one server session of the worker's own (``runner``:
+    the tracker, asked whether any server is left when a whole batch lost its servers).
+    Each of N workers then lowers a candidate and waits on its server while the others
+    do the same, so N servers measure N candidates at once, and only knob sets and
+    measurements cross the pool's pipes, no program."""
 
     tasks_at_once = True
 
-    def __init__(self, mc, tasks, profile, workers: int, timeout: float):
+    def __init__(self, mc, tasks, profile, workers: int, timeout: float, device=None,
+                 runner=None):
         self.state = (mc, {t.workload: t for t in tasks}, profile)
         self.workers, self.timeout = int(workers), float(timeout)
+        self.device, self.runner = device, runner
         self.pool = None
 
     def _start(self):
         if self.pool is None:
-            self.pool = _fork_pool(self.state, self.workers, _fork_init)
+            self.pool = _fork_pool(self.state, self.workers,
+                                   functools.partial(_fork_init, self.device))
         return self.pool
 
     def measure(self, task, batch: list, slow_after: int | None = None) -> list:
@@ -326,11 +375,14 @@ class ForkMeasurer(Measurer):
                     break
                 except Exception as e:                 # noqa: BLE001
                     out[i] = (e, time.time() - t0)
+        _stop_if_no_server(self.runner, [r for r, _ in out])
         return out
 
     def close(self) -> None:
         _stop_pool(self.pool)
         self.pool = None
+        if self.runner is not None:
+            self.runner.close()
 
 
 def _result(r, t0):
@@ -340,9 +392,9 @@ def _result(r, t0):
         return (e, time.time() - t0)
 
 
-def _fork_init() -> None:
+def _fork_init(device=None) -> None:
     global _EMU
-    _EMU = Emulator(_FORKED[0].spec, _FORKED[2])
+    _EMU = device() if device is not None else Emulator(_FORKED[0].spec, _FORKED[2])
 
 
 def _fork_run(workload: str, knobs, slow_after=None):
@@ -354,17 +406,16 @@ _EMU = None
 
 
 class RunnerMeasurer(Measurer):
-    """An ``edgetvm.runner`` (``tracker://HOST:PORT/KEY``, ``rpc://``...): candidates are
-    lowered here (by ``lower_workers`` forked processes when more than one: lowering is
-    most of a candidate's time, so servers alone would wait on it), each run twice (the
-    chain once and twice), spread over the runner's servers by ``run_many``."""
+    """An ``edgetvm.runner`` (``tracker://HOST:PORT/KEY``, ``rpc://``...): a batch's
+    candidates are lowered here, one after another, then each run twice (the chain once
+    and twice), spread over the runner's servers by ``run_many``. (With more than one
+    worker, ``tune`` uses a :class:`ForkMeasurer` of :class:`RunnerDevice` workers
+    instead: lowering is most of a small candidate's time, and there it overlaps the
+    servers' runs.)"""
 
-    def __init__(self, mc, runner, profile, tasks=(), lower_workers: int = 1):
+    def __init__(self, mc, runner, profile, tasks=()):
         self.mc, self.runner, self.profile = mc, runner, profile
         self._alone: dict = {}       # task workload -> steady counters of the neighbours
-        self.lower_workers = int(lower_workers)
-        self._state = (mc, {t.workload: t for t in tasks}, profile)
-        self.pool = None
 
     @property
     def workers(self) -> int:
@@ -377,19 +428,12 @@ class RunnerMeasurer(Measurer):
         except Exception:                              # noqa: BLE001 - not a tracker
             return 1
 
-    def _lower_all(self, task, batch: list) -> list:
-        if self.lower_workers <= 1:
-            return [_lower_chains(self.mc, task, kn) for kn in batch]
-        if self.pool is None:
-            self.pool = _fork_pool(self._state, self.lower_workers)
-        return self.pool.starmap(_fork_lower, [(task.workload, kn) for kn in batch])
-
     def measure(self, task, batch: list, slow_after: int | None = None) -> list:
         """(``slow_after`` is not applied: a server runs every candidate to its end.)"""
         from edgetvm.runner import RunJob
         t0 = time.time()
         lowered, runs = [], []
-        for pair in self._lower_all(task, batch):
+        for pair in (_lower_chains(self.mc, task, kn) for kn in batch):
             if isinstance(pair, BaseException):        # rejected or failed
                 lowered.append(pair)
                 continue
@@ -402,7 +446,7 @@ class RunnerMeasurer(Measurer):
                 runs += [RunJob(j.without, {}, j.without_params, self.profile),
                          RunJob(twice.without, {}, twice.without_params, self.profile)]
         res = self.runner.run_many(runs, return_exceptions=True) if runs else []
-        self._check_servers(res)
+        _stop_if_no_server(self.runner, res)
         wall = (time.time() - t0) / max(1, len(batch))
         alone = self._alone.get(task.workload)
         if isinstance(alone, int):           # measured in this batch
@@ -419,40 +463,39 @@ class RunnerMeasurer(Measurer):
             out.append((bad, wall) if bad is not None else (in_context(chain, alone), wall))
         return out
 
-    def _check_servers(self, results: list) -> None:
-        """Stop the tune when every run of a batch found no server and the tracker has none
-        left under the key (each trial would wait its request timeout, for ever)."""
-        from edgetvm.runner.base import RunnerConnectionError
-        if not results or not all(isinstance(r, RunnerConnectionError) for r in results):
-            return
-        servers = getattr(self.runner, "servers", None)
-        if servers is not None and servers()["total"] == 0:
-            raise EdgeTVMError(f"{self.runner!r}: no emulator server is registered under "
-                               f"the key any more ({results[0]}); the trials so far are in "
-                               f"the log: start servers and rerun to resume")
-
     def close(self) -> None:
-        _stop_pool(self.pool)
-        self.pool = None
         self.runner.close()
 
 
-def _lower_chains(mc, task, knobs):
+def _stop_if_no_server(runner, results: list) -> None:
+    """Stop the tune when every run of a batch found no server and the tracker has none
+    left under the key (each trial would wait its request timeout, for ever)."""
+    if runner is None or not results or \
+            not all(isinstance(r, RunnerConnectionError) for r in results):
+        return
+    servers = getattr(runner, "servers", None)
+    if servers is not None and servers()["total"] == 0:
+        raise EdgeTVMError(f"{runner!r}: no emulator server is registered under "
+                           f"the key any more ({results[0]}); the trials so far are in "
+                           f"the log: start servers and rerun to resume")
+
+
+def _lower_chains(mc, task, knobs, reraise: bool = False):
     """(chain once, chain twice) Jobs of a candidate, its kernel lowered once; or the
-    exception (CandidateRejected: does not lower; another: a failed trial)."""
+    exception (CandidateRejected: does not lower; another: a failed trial), which
+    ``reraise`` raises instead."""
     try:
         ks = lower_kernels(mc, task, knobs)
         return tuple(dataclasses.replace(chain_job(mc, task, ks, c), kernels=None, graph=None)
                      for c in (1, 2))
     except CandidateRejected as e:
+        if reraise:
+            raise
         return CandidateRejected(str(e))
     except Exception as e:                             # noqa: BLE001 - one that pickles
+        if reraise:
+            raise
         return RuntimeError(f"{type(e).__name__}: {e}")
-
-
-def _fork_lower(workload: str, knobs):
-    mc, tasks, _ = _FORKED
-    return _lower_chains(mc, tasks[workload], knobs)
 
 
 def _steady(once, twice):

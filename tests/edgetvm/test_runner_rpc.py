@@ -133,6 +133,35 @@ def test_cli_rejects_bad_arguments():
 # ----------------------------------------------------------------------------------------
 # tracker + two servers
 # ----------------------------------------------------------------------------------------
+def test_held_sessions_serve_batch_after_batch(cluster):
+    """``hold_sessions`` (the tuner's runner): the second ``run_many`` runs on the session
+    of the first, with no tracker request (opening one waits for the server to
+    re-register, 0.43 s a batch); a held session that ended meanwhile is replaced by a
+    fresh one and its job runs there, not failed. ``close`` frees the servers."""
+    shapes = [(32, 32, 64), (64, 32, 32), (16, 16, 64)]
+    jobs = [RunJob(gemm_program(*s), gemm_inputs(i, *s)) for i, s in enumerate(shapes)]
+    tport = cluster["tracker_port"]
+    runner = TrackerRunner("127.0.0.1", tport, KEY, SPEC, max_workers=1, hold_sessions=True)
+    requests = []
+    new_request = runner._new_request
+    runner._new_request = lambda: requests.append(1) or new_request()
+    with runner:
+        first = runner.run_many(jobs)
+        second = runner.run_many(jobs)
+        assert len(requests) == 1
+        sessions = {r.server.session_pid for r in first + second}
+        assert len(sessions) == 1
+        runner._held[0].close()                 # the held session ends behind its back
+        third = runner.run_many(jobs)
+        assert len(requests) == 2
+        assert {r.server.session_pid for r in third}.isdisjoint(sessions)
+        for results in (first, second, third):
+            for job, res in zip(jobs, results):
+                np.testing.assert_allclose(res.outputs["C"], reference(job.inputs),
+                                           rtol=1e-5, atol=1e-4)
+    wait_for_free_servers(tport, 2)             # close() ended the held session
+
+
 def test_tracker_run_many_spreads_over_both_servers(cluster):
     shapes = [(32, 32, 64), (64, 32, 32), (32, 64, 32), (16, 16, 64)] * 2
     jobs = [RunJob(gemm_program(*s), gemm_inputs(i, *s)) for i, s in enumerate(shapes)]

@@ -68,3 +68,35 @@ def test_a_key_no_server_has_is_refused_at_once(tracker, tmp_path):
              rpc_key="no-such-key", progress=False)
     assert time.time() - t0 < 45
     assert not TuningLog(str(tmp_path / "log")).records()
+
+
+def test_each_worker_measures_on_a_server_session_of_its_own(tracker):
+    """``workers=2`` with a tracker: two forked workers, each lowering its candidates and
+    running them on a server session it holds between batches (no program crosses the
+    pool's pipes, no session is opened per batch). While the measurer lives both servers
+    are held; closing it frees them. The measurements equal local ones."""
+    from edgetvm.build.compiler import ModelCompiler
+    from edgetvm.runner import TrackerRunner
+    from edgetvm.tune.cli import make_measurer
+    from edgetvm.tune.measure import ForkMeasurer
+    from edgetvm.tune.tasks import extract_tasks
+
+    mc = ModelCompiler(LLAMA, max_tokens=64, max_rows=16)
+    tasks = [t for t in extract_tasks(mc, [("decode", 1, 4)]) if t.kind != "partition"]
+    task = max(tasks, key=lambda t: t.space_size)
+    m = make_measurer(mc, tasks, "performance", workers=2, rpc_tracker=f"127.0.0.1:{tracker}",
+                      rpc_key=KEY, timeout=60)
+    assert isinstance(m, ForkMeasurer) and m.device is not None
+    probe = TrackerRunner("127.0.0.1", tracker, KEY)
+    try:
+        batch = [task.default_knobs] * 4
+        for _ in range(2):
+            results = m.measure(task, batch)
+            local = measure_candidate(mc, task, task.default_knobs,
+                                      Emulator(mc.spec, "performance"))
+            assert [r.cycles for r, _ in results] == [local.cycles] * 4
+        assert probe.servers() == {"total": 2, "free": 0, "pending": 0}
+    finally:
+        m.close()
+        probe.close()
+    wait_for_free_servers(tracker, 2)        # closing the measurer ended the sessions
