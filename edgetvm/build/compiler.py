@@ -17,6 +17,7 @@ import logging
 import time
 from collections import Counter
 
+import tvm
 
 from edgetvm.frontend import import_onnx
 from edgetvm.kv_state import capacity_bucket
@@ -63,6 +64,7 @@ class ModelCompiler:
         t0 = time.time()
         imported = import_onnx(onnx_path, shape_overrides=shape_overrides)
         self.input_names, self.output_names = imported.input_names, imported.output_names
+        _check_with_past(onnx_path, imported)
         mod = imported.mod
         self.quant_report = None
         if quantize:
@@ -314,6 +316,34 @@ def _mask_key(m):
     return handle() if handle is not None else id(m)
 
 
-
-
-
+def _check_with_past(onnx_path, imported) -> None:
+    """Refuse, before anything is compiled, a model that is not a with-past export with
+    symbolic lengths: the phase programs hold the KV cache in pages that its
+    ``past_key_values.N.key/value`` inputs and ``present.N.key/value`` outputs name,
+    serve every length of a bucket, and return its ``logits``."""
+    inputs, outputs = imported.input_names, imported.output_names
+    missing = [what for what, ok in (
+        ("the input input_ids", "input_ids" in inputs),
+        ("inputs past_key_values.N.key/value",
+         any(n.startswith("past_key_values.") for n in inputs)),
+        ("the output logits", "logits" in outputs),
+        ("outputs present.N.key/value", any(n.startswith("present.") for n in outputs)))
+        if not ok]
+    if missing:
+        raise BuildError(
+            f"{onnx_path}: not a text-generation-with-past export (missing: "
+            f"{', '.join(missing)}; its inputs: {', '.join(inputs) or 'none'}): the NPU "
+            f"programs keep the KV cache in pages those inputs and outputs name. Export "
+            f"the model with optimum's text-generation-with-past task (optimum-cli export "
+            f"onnx --task text-generation-with-past ...)")
+    params = dict(zip(inputs, imported.mod["main"].params))
+    fixed = [f"{n} {tuple(int(d) for d in shape)}" for n in ("input_ids", next(
+        n for n in inputs if n.startswith("past_key_values.")))
+        for shape in [params[n].ty.shape.values]
+        if all(isinstance(d, tvm.tirx.IntImm) for d in shape)]
+    if fixed:
+        raise BuildError(
+            f"{onnx_path}: its lengths are fixed ({'; '.join(fixed)}): the NPU programs "
+            f"serve every prompt length of a bucket and a growing KV cache, so the export's "
+            f"sequence and past lengths must be symbolic (an optimum export keeps them so; "
+            f"or pass dynamic axes to torch.onnx.export)")

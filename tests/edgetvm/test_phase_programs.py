@@ -1175,3 +1175,19 @@ def test_a_float16_export_runs_token_exact(keep_io_types, tmp_path):
         ref = ref["logits"][0, -1].astype(np.float32)
         diff = float(np.abs(call["logits"][0, -1].astype(np.float32) - ref).max())
         assert diff <= 0.01 + 0.01 * float(np.abs(ref).max())
+
+
+def test_a_model_that_is_not_a_with_past_export_is_refused_saying_what_it_lacks():
+    """A prefill-only export (no KV cache inputs or outputs) and a with-past export of
+    fixed lengths (sequence 1, past 8) are refused before anything is compiled, naming
+    what the phase programs need; they used to be refused deep in the build, about a
+    RoPE table's axes."""
+    from edgetvm.build.graph import BuildError
+    with pytest.raises(BuildError, match=r"not a text-generation-with-past export \(missing: "
+                                         r"inputs past_key_values\.N\.key/value, outputs "
+                                         r"present\.N\.key/value; its inputs: input_ids, "
+                                         r"attention_mask, position_ids\)"):
+        ModelCompiler(str(DATA / "llama_tiny_prefill_s8.onnx"))
+    with pytest.raises(BuildError, match=r"its lengths are fixed \(input_ids \(1, 1\); "
+                                         r"past_key_values\.0\.key \(1, 2, 8, 16\)\)"):
+        ModelCompiler(str(DATA / "llama_tiny_decode_p8.onnx"))
