@@ -150,10 +150,16 @@ def tokens_of(records) -> list:
 
 def onnxruntime_runner(model):
     """A step function over onnxruntime running ``model`` (a path, or a serialized
-    ModelProto)."""
+    ModelProto), with onnxruntime's basic graph optimisations only: its extended ones
+    change a model's numerics (a DequantizeLinear of int8 weights and the MatMul reading
+    it become an integer matmul on dynamically quantized activations: a weight-only int8
+    Llama's logits moved by 0.105 against the unoptimised graph), so they would make the
+    reference something other than the model."""
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    sess = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
     out_names = [o.name for o in sess.get_outputs()]
     in_names = {i.name for i in sess.get_inputs()}
 

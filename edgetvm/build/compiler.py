@@ -65,6 +65,7 @@ class ModelCompiler:
         imported = import_onnx(onnx_path, shape_overrides=shape_overrides)
         self.input_names, self.output_names = imported.input_names, imported.output_names
         _check_with_past(onnx_path, imported)
+        _check_float(onnx_path, imported.op_histogram)
         mod = imported.mod
         self.quant_report = None
         if quantize:
@@ -347,3 +348,23 @@ def _check_with_past(onnx_path, imported) -> None:
             f"serve every prompt length of a bucket and a growing KV cache, so the export's "
             f"sequence and past lengths must be symbolic (an optimum export keeps them so; "
             f"or pass dynamic axes to torch.onnx.export)")
+
+
+#: ops that quantize activations (dynamic or static int8 quantization)
+_INT8_ACTIVATION_OPS = ("DynamicQuantizeLinear", "QuantizeLinear", "MatMulInteger",
+                        "QLinearMatMul", "ConvInteger", "QLinearConv",
+                        "com.microsoft:DynamicQuantizeMatMul",
+                        "com.microsoft:MatMulIntegerToFloat")
+
+
+def _check_float(onnx_path, op_histogram: dict) -> None:
+    """Refuse a model whose activations are quantized to int8 (onnxruntime's
+    ``quantize_dynamic`` or ``quantize_static``): the NPU computes float16 activations,
+    with float16 or 4-bit weights. (Weight-only formats compile: MatMulNBits, and a
+    DequantizeLinear of a constant, which folds to float weights.)"""
+    found = [f"{op} x{op_histogram[op]}" for op in _INT8_ACTIVATION_OPS if op in op_histogram]
+    if found:
+        raise BuildError(
+            f"{onnx_path}: its activations are quantized to int8 ({', '.join(found)}): the "
+            f"NPU computes float16 activations with float16 or 4-bit weights (W4A16). "
+            f"Compile the float export instead, with --quantize G for 4-bit weights")

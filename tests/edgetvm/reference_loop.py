@@ -32,7 +32,12 @@ def greedy_loop(run, input_names, kv_inputs, prompt, steps, chunk=None):
 
 def onnxruntime_model(path):
     """(run, input names, {past input: empty shape}) of an ONNX with-past export."""
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    # basic graph optimisations only: the extended ones change a model's numerics (a
+    # DequantizeLinear of int8 weights and its MatMul become an integer matmul on
+    # dynamically quantized activations), and the reference is the model's own
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     inputs = {i.name: i for i in sess.get_inputs()}
     kv = {n: (1, i.shape[1], 0, i.shape[3]) for n, i in inputs.items()

@@ -1191,3 +1191,58 @@ def test_a_model_that_is_not_a_with_past_export_is_refused_saying_what_it_lacks(
     with pytest.raises(BuildError, match=r"its lengths are fixed \(input_ids \(1, 1\); "
                                          r"past_key_values\.0\.key \(1, 2, 8, 16\)\)"):
         ModelCompiler(str(DATA / "llama_tiny_decode_p8.onnx"))
+
+
+def test_a_model_with_int8_activations_is_refused_naming_its_ops(tmp_path):
+    """onnxruntime's dynamic int8 quantization (DynamicQuantizeLinear, MatMulInteger) is
+    not what the NPU computes; it was refused about a comparison of the token ids with
+    no NPU kernel (the quantized embedding's index check)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from edgetvm.build.graph import BuildError
+    path = tmp_path / "llama_int8.onnx"
+    quantize_dynamic(str(_path("llama")), str(path), weight_type=QuantType.QInt8)
+    with pytest.raises(BuildError, match=r"its activations are quantized to int8 \("
+                                         r"DynamicQuantizeLinear x\d+, MatMulInteger x\d+\)"):
+        ModelCompiler(str(path))
+
+
+def test_weights_dequantized_from_int8_compile_token_exact(tmp_path):
+    """A weight-only int8 model (each projection's weight a DequantizeLinear of int8
+    codes: per output column for the first layer's, one scale per tensor for the
+    second's) folds to float weights and compiles token-exact, against onnxruntime with
+    its basic optimisations (its extended ones run such a MatMul on int8-quantized
+    activations: logits 0.105 off its own unoptimised run). A scale applied along the
+    wrong axis, or the codes read unsigned, would be far outside the tolerance."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(_path("llama")))
+    inits = {i.name: i for i in model.graph.initializer}
+    done, dropped = 0, set()
+    for node in list(model.graph.node):
+        name = node.input[1] if node.op_type == "MatMul" and len(node.input) > 1 else None
+        if name not in inits or name in dropped or "layers." not in node.name:
+            continue
+        w = numpy_helper.to_array(inits[name]).astype(np.float32)
+        per_column = "layers.0" in node.name
+        s = (np.abs(w).max(axis=0) if per_column else np.abs(w).max()) / 127
+        codes = np.round(w / s).astype(np.int8)
+        model.graph.initializer.extend([numpy_helper.from_array(codes, name + "_q"),
+                                        numpy_helper.from_array(np.float32(s) if not
+                                                                per_column else
+                                                                s.astype(np.float32),
+                                                                name + "_s")])
+        attrs = {"axis": 1} if per_column else {}
+        model.graph.node.insert(0, helper.make_node("DequantizeLinear", [name + "_q",
+                                                                         name + "_s"],
+                                                    [name], name=name + "_dq", **attrs))
+        dropped.add(name)
+        done += 1
+    keep = [i for i in model.graph.initializer if i.name not in dropped]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    assert done >= 8
+    path = tmp_path / "llama_w8.onnx"
+    onnx.save(model, str(path))
+    _check("llama", "regions", path=path)
