@@ -45,8 +45,8 @@ from .npu_regions import (KernelCache, build_cluster, keeps_heads, offloadable,
                           rows_of, unsound_offloads)
 from .offload import offload_regions
 from .region_ops import (activation_input, attention_roles, mask_scale, mask_terms,
-                         param_index, past_input, result_dtypes, result_shapes, rope_dims, rope_heads_axis,
-                         rope_roles, softcap)
+                         param_index, past_input, result_dtypes, result_shapes, rope_dims,
+                         rope_heads_axis, rope_roles, softcap)
 
 log = logging.getLogger("edgetvm")
 _SESSION_IDS = itertools.count()

@@ -517,9 +517,9 @@ class _Extractor:
                                  _REFERENCE_CAN)
         unrecognised = unrecognised_attention(self.defs, var)
         kv = [a.layer for a in args if isinstance(a, KV)]
+        whose = "a" if kv and kv[0] < 0 else f"layer {kv[0]}'s" if kv else ""
         what = "host code on NPU data with no NPU kernel" if not kv or unrecognised else (
-            f"the model computes with {'a' if kv[0] < 0 else f'layer {kv[0]}' + chr(39) + 's'} "
-            f"KV cache "
+            f"the model computes with {whose} KV cache "
             f"outside attention (a bias or mask computed from the cache, values split or "
             f"tiled before the attention): on the NPU the cache is pages only the attention "
             f"kernel reads")

@@ -15,6 +15,8 @@ is the same rounding wherever it happens); only the interface's float widths cha
 
 from __future__ import annotations
 
+import collections
+
 import onnx
 from onnx import TensorProto
 
@@ -77,8 +79,10 @@ def fold_io_casts(model: onnx.ModelProto) -> onnx.ModelProto:
     producer = {out: node for node in graph.node for out in node.output}
     casts_out = [(value.name, producer[value.name]) for value in graph.output
                  if value.name in producer and _cast_to(producer[value.name]) is not None]
-    casts_out = [(name, cast) for name, cast in casts_out
-                 if cast.input[0] in producer and cast.input[0] not in outputs]
+    sources = collections.Counter(cast.input[0] for _, cast in casts_out)
+    casts_out = [(name, cast) for name, cast in casts_out       # one output per source
+                 if cast.input[0] in producer and cast.input[0] not in outputs and
+                 sources[cast.input[0]] == 1]
     if not fold_in and not casts_out:
         return model
 

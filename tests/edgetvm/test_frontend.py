@@ -721,3 +721,17 @@ def test_a_graph_out_of_order_is_sorted_and_a_cycle_refused(tmp_path):
     cyc.graph.node[0].input[0] = "r"         # cast_in reads op's output, op reads it
     with pytest.raises(ModelImportError, match="has a cycle: node '(cast_in|op)'"):
         load_model(cyc)
+
+
+def test_two_outputs_cast_from_one_value_keep_their_casts():
+    """Folding renames the cast's source to the output it feeds; two outputs cast from
+    one value cannot both take its name, so their casts stay (the input's is folded)."""
+    from edgetvm.frontend.io_casts import fold_io_casts
+    model = _relu_between_casts()
+    model.graph.node.append(helper.make_node("Cast", ["r"], ["y2"], name="cast_out2",
+                                             to=TensorProto.FLOAT))
+    model.graph.output.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, [2, 3]))
+    folded = fold_io_casts(model)
+    onnx.checker.check_model(folded)
+    assert [n.name for n in folded.graph.node] == ["op", "cast_out", "cast_out2"]
+    assert [o.type.tensor_type.elem_type for o in folded.graph.output] == [TensorProto.FLOAT] * 2
