@@ -439,6 +439,7 @@ class NPUSession:
         roles = attention_roles(region.func)
         hq, d = int(region.attrs["edgetvm.num_heads"]), int(region.attrs["edgetvm.head_dim"])
         heads_major_out = keeps_heads(region)
+        (dtype,) = result_dtypes(region.func)
         k_source = region.arg_sources[roles["k"]]
         layer_of_k = past_input(k_source)[0] if getattr(k_source, "kind", None) == \
             "kv_append" else None
@@ -479,7 +480,6 @@ class NPUSession:
             if heads_major_out:              # (s, hq, d) -> (hq, s, d): Falcon's layout
                 out = out.transpose(1, 0, 2)
             (shape,) = result_shapes(region.func, region.runtime_positions, args)
-            (dtype,) = result_dtypes(region.func)
             return tvm.runtime.tensor(np.ascontiguousarray(out.reshape(shape).astype(dtype)))
         return run
 

@@ -271,16 +271,14 @@ def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
         url = f"tracker://{rpc_tracker}/{key}"
         runner = connect(url, spec=mc.spec, call_timeout=timeout, hold_sessions=True)
         _wait_for_a_server(runner, rpc_tracker, key)
-        if workers <= 1:   # lowered here, each batch spread over every server
-            return RunnerMeasurer(mc, runner, profile, tasks)
         servers = runner.servers()["total"]
         if workers > servers:
             # a worker without a server would wait for one, and fail its candidates
             print(f"--workers {workers}: the tracker has {servers} server(s) under key "
                   f"{key!r}; measuring with {servers} worker(s)", file=sys.stderr)
             workers = servers
-            if workers <= 1:
-                return RunnerMeasurer(mc, runner, profile, tasks)
+        if workers <= 1:   # lowered here, each batch spread over every server
+            return RunnerMeasurer(mc, runner, profile, tasks)
 
         def device():      # in each forked worker: a server session of its own
             return RunnerDevice(connect(url, spec=mc.spec, max_workers=1,

@@ -212,15 +212,11 @@ class RunnerDevice:
         self.alone: dict = {}            # (task workload, context) -> steady figures
 
     def measure(self, mc, task, knobs) -> Measurement:
-        from edgetvm.runner import RunJob
         once, twice = _lower_chains(mc, task, knobs, reraise=True)
-        runs = [RunJob(j.program, {}, j.params, self.profile) for j in (once, twice)]
         key = (task.workload, task.context)
         alone_now = once.without is not None and key not in self.alone
-        if alone_now:
-            runs += [RunJob(j.without, {}, j.without_params, self.profile)
-                     for j in (once, twice)]
-        res = self.runner.run_many(runs, return_exceptions=True)
+        res = self.runner.run_many(_chain_runs(once, twice, self.profile, alone_now),
+                                   return_exceptions=True)
         if alone_now:
             alone = _steady(res[2], res[3])
             if isinstance(alone, BaseException):
@@ -430,7 +426,6 @@ class RunnerMeasurer(Measurer):
 
     def measure(self, task, batch: list, slow_after: int | None = None) -> list:
         """(``slow_after`` is not applied: a server runs every candidate to its end.)"""
-        from edgetvm.runner import RunJob
         t0 = time.time()
         lowered, runs = [], []
         for pair in (_lower_chains(self.mc, task, kn) for kn in batch):
@@ -439,12 +434,10 @@ class RunnerMeasurer(Measurer):
                 continue
             j, twice = pair
             lowered.append(len(runs))
-            runs += [RunJob(j.program, {}, j.params, self.profile),
-                     RunJob(twice.program, {}, twice.params, self.profile)]
-            if self._alone.get(task.workload) is None and j.without is not None:
-                self._alone[task.workload] = len(runs)
-                runs += [RunJob(j.without, {}, j.without_params, self.profile),
-                         RunJob(twice.without, {}, twice.without_params, self.profile)]
+            alone_now = self._alone.get(task.workload) is None and j.without is not None
+            if alone_now:
+                self._alone[task.workload] = len(runs) + 2
+            runs += _chain_runs(j, twice, self.profile, alone_now)
         res = self.runner.run_many(runs, return_exceptions=True) if runs else []
         _stop_if_no_server(self.runner, res)
         wall = (time.time() - t0) / max(1, len(batch))
@@ -465,6 +458,16 @@ class RunnerMeasurer(Measurer):
 
     def close(self) -> None:
         self.runner.close()
+
+
+def _chain_runs(once, twice, profile, alone: bool) -> list:
+    """The runner jobs of a candidate's chain linked once and twice (:func:`_steady`
+    takes their difference), then, with ``alone``, its neighbours' once and twice."""
+    from edgetvm.runner import RunJob
+    runs = [RunJob(j.program, {}, j.params, profile) for j in (once, twice)]
+    if alone:
+        runs += [RunJob(j.without, {}, j.without_params, profile) for j in (once, twice)]
+    return runs
 
 
 def _stop_if_no_server(runner, results: list) -> None:
