@@ -382,6 +382,8 @@ def print_table(rows: list, trials: int, seeds: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--quick", action="store_true", help="24 trials per run, one seed")
+    ap.add_argument("--profile", default="performance",
+                    help="power profile the candidates run under (default performance)")
     ap.add_argument("--json", help="write the rows and curves as JSON to this path")
     ap.add_argument("--model", help="a text-generation-with-past ONNX export "
                                     "(default SmolLM2, else the bundled example)")
@@ -424,7 +426,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     mc = ModelCompiler(str(model), "edge-npu-16mb", quantize=quantize,
                        max_tokens=args.max_tokens, max_rows=args.prefill,
-                       profile="performance")
+                       profile=args.profile)
     keys = mc.phase_keys((args.prefill,))
     prefill_key = min(k for k in keys if k[0] == "prefill" and k[1] == args.prefill)
     decode_key = max(k for k in keys if k[0] == "decode")

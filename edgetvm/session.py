@@ -190,7 +190,10 @@ class NPUSession:
                 raise self._error from None
             raise
         outs = list(out) if isinstance(out, (tuple, list, tvm_ffi.Array)) else [out]
-        return {n: o.numpy() for n, o in zip(self.imported.output_names, outs)}, \
+        # each output in the file's width (a float16 graph's casts to float32 folded)
+        widths = self.imported.output_dtypes
+        return {n: o.numpy().astype(widths[n]) if n in widths else o.numpy()
+                for n, o in zip(self.imported.output_names, outs)}, \
             self.meter.close(self.timeline)
 
     def _keep_error(self, fn):

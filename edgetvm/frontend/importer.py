@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import onnx
 import tvm
 from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
@@ -62,6 +63,9 @@ class ImportedModel:
         Number of ONNX nodes per op type (``"domain:Op"`` outside the default domain).
     source : str
         The file the model came from (or ``"<ModelProto>"``).
+    output_dtypes : dict of str to str
+        The numpy dtype each float output has in the file, where the graph computes it
+        in another width (a cast at the output folded: :mod:`~edgetvm.frontend.io_casts`).
     """
 
     mod: tvm.IRModule
@@ -71,6 +75,7 @@ class ImportedModel:
     opset: int
     op_histogram: dict[str, int] = field(default_factory=dict)
     source: str = "<ModelProto>"
+    output_dtypes: dict[str, str] = field(default_factory=dict)
 
 
 class EdgeONNXImporter(onnx_frontend.ONNXGraphImporter):
@@ -164,6 +169,10 @@ def import_onnx(
     """
     loaded = load_model(path_or_model)
     model = fold_io_casts(_with_unique_node_names(loaded.model))
+    declared = {v.name: v.type.tensor_type.elem_type for v in loaded.model.graph.output}
+    output_dtypes = {v.name: onnx.helper.tensor_dtype_to_np_dtype(declared[v.name]).name
+                     for v in model.graph.output
+                     if declared.get(v.name) != v.type.tensor_type.elem_type}
     if shape_overrides:
         model = apply_shape_overrides(model, shape_overrides, loaded.source)
 
@@ -193,6 +202,7 @@ def import_onnx(
         opset=loaded.opset,
         op_histogram=op_histogram(model),
         source=loaded.source,
+        output_dtypes=output_dtypes,
     )
 
 

@@ -260,6 +260,10 @@ def program_counters(mc, key):
                            Emulator(mc.spec, mc.profile))
 
 
+#: notices already printed (a tune makes a measurer per stage: cut points, then tiles)
+_NOTICES: set = set()
+
+
 def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
                   timeout=300.0):
     """The measurer the options ask for (:mod:`edgetvm.tune.measure`)."""
@@ -274,8 +278,11 @@ def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
         servers = runner.servers()["total"]
         if workers > servers:
             # a worker without a server would wait for one, and fail its candidates
-            print(f"--workers {workers}: the tracker has {servers} server(s) under key "
-                  f"{key!r}; measuring with {servers} worker(s)", file=sys.stderr)
+            note = (f"--workers {workers}: the tracker has {servers} server(s) under key "
+                    f"{key!r}; measuring with {servers} worker(s)")
+            if note not in _NOTICES:     # once per tune, not once per stage
+                _NOTICES.add(note)
+                print(note, file=sys.stderr)
             workers = servers
         if workers <= 1:   # lowered here, each batch spread over every server
             return RunnerMeasurer(mc, runner, profile, tasks)

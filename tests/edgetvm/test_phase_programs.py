@@ -1171,10 +1171,17 @@ def test_a_float16_export_runs_token_exact(keep_io_types, tmp_path):
     session = NPUSession(str(path), "edge-npu-16mb", max_tokens=MAX_TOKENS)
     got, calls = greedy_loop(lambda f: session(f)[0], names, kv, PROMPT, 6)
     assert got == want
-    for call, ref in zip(calls, ref_calls):
-        ref = ref["logits"][0, -1].astype(np.float32)
+    for call, ref_call in zip(calls, ref_calls):
+        ref = ref_call["logits"][0, -1].astype(np.float32)
         diff = float(np.abs(call["logits"][0, -1].astype(np.float32) - ref).max())
         assert diff <= 0.01 + 0.01 * float(np.abs(ref).max())
+        assert call["logits"].dtype == ref_call["logits"].dtype
+        # the KV cache it hands back (fed as the next call's past), in the graph's width
+        for name in (n for n in ref_call if n.startswith("present")):
+            assert call[name].dtype == ref_call[name].dtype, name
+            got_kv, ref_kv = (np.asarray(a, np.float32) for a in (call[name], ref_call[name]))
+            assert got_kv.shape == ref_kv.shape, name
+            assert np.abs(got_kv - ref_kv).max() <= 0.01 + 0.01 * np.abs(ref_kv).max(), name
 
 
 def test_a_model_that_is_not_a_with_past_export_is_refused_saying_what_it_lacks():

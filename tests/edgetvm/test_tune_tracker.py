@@ -105,7 +105,7 @@ def test_each_worker_measures_on_a_server_session_of_its_own(tracker):
 def test_more_workers_than_servers_measure_with_one_per_server(tracker, capsys):
     """``--workers 3`` against a tracker of 2 servers: a third worker would wait for a
     server and fail each candidate it took after the request timeout; the tuner says so
-    and measures with 2."""
+    and measures with 2, saying so once per tune."""
     from edgetvm.build.compiler import ModelCompiler
     from edgetvm.tune.cli import make_measurer
     from edgetvm.tune.tasks import extract_tasks
@@ -117,6 +117,15 @@ def test_more_workers_than_servers_measure_with_one_per_server(tracker, capsys):
     try:
         assert m.workers == 2
         assert "--workers 3: the tracker has 2 server(s)" in capsys.readouterr().err
+    finally:
+        m.close()
+    wait_for_free_servers(tracker, 2)
+    # a tune's next stage (tiles after cut points) makes another: said once, not again
+    m = make_measurer(mc, tasks, "performance", workers=3, rpc_tracker=f"127.0.0.1:{tracker}",
+                      rpc_key=KEY, timeout=60)
+    try:
+        assert m.workers == 2
+        assert "--workers" not in capsys.readouterr().err
     finally:
         m.close()
     wait_for_free_servers(tracker, 2)
