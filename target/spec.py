@@ -30,7 +30,8 @@ VECTOR_OPS = ("add", "sub", "mul", "max", "div", "reduce_max", "reduce_sum", "ex
 UNITS = ("matrix", "vector", "host")
 #: emulator model version: bumped whenever the functional, timing or power model changes;
 #: it is stamped on every program file, benchmark JSON and tuning-log key
-EMULATOR_MODEL_VERSION = 3
+#: (4: the governor counts the TCM power of compute commands as following the clock)
+EMULATOR_MODEL_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class PowerProfile:
     Throttling rule (DVFS, see ``emulator/power.py``): every ``dvfs_interval_cycles`` a
     governor looks at the average power of the last ``power_window_cycles`` and sets the
     NPU clock scale ``s <= 1`` for the next interval so that the window's power, with the
-    NPU units' dynamic power scaled by ``s ** dvfs_exponent``, meets ``budget_mw``. DRAM
+    NPU units' dynamic power scaled by ``s ** dvfs_exponent`` and their commands' TCM
+    traffic by ``s``, meets ``budget_mw``. DRAM
     is not slowed (its energy per byte stays), so a budget below the DRAM power of a
     bandwidth-bound phase cannot be met by throttling. ``dvfs_exponent`` 1 models
     frequency scaling at fixed voltage, 3 the usual ``f * V^2`` with voltage tracking

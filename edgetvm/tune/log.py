@@ -57,6 +57,8 @@ FORMAT_VERSION = 2
 
 #: the keys of a context, in the order a mismatch is reported
 CONTEXT_KEYS = ("model", "spec", "profile", "quantization", "edgetvm", "emulator")
+#: the keys that say which kernels a record's knobs build (not which code measured them)
+VERSION_FREE_KEYS = ("model", "spec", "profile", "quantization")
 
 #: measured and usable; not measured (does not lower: TCM overflow); measuring failed;
 #: measured, but puts the step over the power profile's budget (never chosen)
@@ -101,12 +103,17 @@ class LogContext:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def same_build(self, other: "LogContext") -> bool:
+        """Is ``other`` this context but for the versions (edgetvm, emulator model)? Its
+        knobs build the same kernels; its cycles were measured under another model."""
+        return all(getattr(self, k) == getattr(other, k) for k in VERSION_FREE_KEYS)
+
 
 def log_context(onnx_path: str, spec, profile, quantize) -> LogContext:
     """The :class:`LogContext` of a build of ``onnx_path`` for ``spec`` under ``profile``
     (None: the spec's default) with ``quantize`` (None: fp16)."""
-    from edgetvm.build.fingerprint import describe_quantize, file_sha256
-    return LogContext.current(file_sha256(onnx_path), spec, profile,
+    from edgetvm.build.fingerprint import describe_quantize, model_sha256
+    return LogContext.current(model_sha256(onnx_path), spec, profile,
                               describe_quantize(quantize))
 
 
@@ -256,6 +263,10 @@ class TuningLog:
 
     def matching(self, context: LogContext) -> list:
         return [r for r in self.records() if r.context == context]
+
+    def same_build(self, context: LogContext) -> list:
+        """The records of ``context`` and of its earlier versions (:meth:`LogContext.same_build`)."""
+        return [r for r in self.records() if context.same_build(r.context)]
 
     def check_context(self, context: LogContext, records: list | None = None) -> list:
         """The records of ``context``; a log with records but none of this context is

@@ -209,14 +209,18 @@ class Tuner:
         if recs:
             log.info("resumed %d records of %d tasks from %s", len(recs),
                      len({r.workload for r in recs}), self.log.path)
-        # the best knobs found beside other neighbours: a neighbour that changed (another
-        # template revision beside it, other cuts) does not send the search back to the
-        # defaults; the cycles of another context are not compared with this one's
+        # the best knobs found beside other neighbours, or by an earlier edgetvm or
+        # emulator model: a neighbour that changed (another template revision beside it,
+        # other cuts) or a new version does not send the search back to the defaults;
+        # the cycles of another context are not compared with this one's (its knobs are
+        # measured again here)
         others: dict = {}
-        for r in self.log.matching(self.ctx):
+        for r in self.log.same_build(self.ctx):
             s = by_w.get(r.workload)
-            if s is not None and r.status == OK and r.neighbours != s.task.context:
-                others.setdefault(r.workload, {}).setdefault(r.neighbours, []).append(r)
+            if s is not None and r.status == OK and \
+                    (r.neighbours != s.task.context or r.context != self.ctx):
+                others.setdefault(r.workload, {}).setdefault(
+                    (r.context, r.neighbours), []).append(r)
         for w, by_ctx in others.items():
             s = by_w[w]
             keys = set(s.seen)

@@ -35,11 +35,11 @@ from edgetvm.errors import EdgeTVMError, InvalidProgramError
 
 from ..host_ops import HOST_OPS
 from ..isa import (ITEMSIZE, DmaLoad, DmaStore, End, EventSignal, EventWait, HostOp, Launch,
-                   Mma, Program, TcmRef, Vector, eval_value, holds)
+                   Mma, Program, Vector, eval_value, holds)
 from ..spec import NPUSpec, load_spec
 from . import functional as F
 from .costs import command_cycles, dma_tcm_traffic, dram_bursts, tcm_traffic
-from .hazards import HazardChecker, Region, TcmInit
+from .hazards import HazardChecker, Region, TcmInit, tcm_region
 from .power import PowerLog, governor_scale
 from .validate import check_dram_bounds, command_name, validate
 
@@ -130,26 +130,20 @@ class _Step:
     tcm_pj: float       # TCM access energy of a compute command
 
 
-def _tcm_region(ref: TcmRef, rows: int | None = None) -> Region:
-    isz = ITEMSIZE[ref.dtype]
-    return Region("tcm", ref.offset, ref.shape[0] if rows is None else rows,
-                  ref.shape[1] * isz, ref.stride * isz)
-
-
 def _plan(program: Program, spec: NPUSpec) -> list:
     steps = []
     for cmd in program.commands:
         reads, writes = (), ()
         if isinstance(cmd, DmaStore):
-            reads = (_tcm_region(cmd.src),)
+            reads = (tcm_region(cmd.src),)
         elif isinstance(cmd, Mma):
             ops = [cmd.a, cmd.b] + [r for r in (cmd.scales, cmd.zeros) if r is not None]
             if cmd.accumulate:
                 ops.append(cmd.out)
-            reads, writes = tuple(_tcm_region(r) for r in ops), (_tcm_region(cmd.out),)
+            reads, writes = tuple(tcm_region(r) for r in ops), (tcm_region(cmd.out),)
         elif isinstance(cmd, Vector):
-            reads = tuple(_tcm_region(r) for r in cmd.srcs)
-            writes = (_tcm_region(cmd.dst),)
+            reads = tuple(tcm_region(r) for r in cmd.srcs)
+            writes = (tcm_region(cmd.dst),)
         rd, wr = tcm_traffic(cmd, spec)
         steps.append(_Step(cmd.unit, command_name(cmd), tuple(Counter(cmd.wait).items()),
                            command_cycles(cmd, spec), reads, writes,
@@ -300,13 +294,14 @@ class Timeline:
 
     # -- the clock --------------------------------------------------------------------
     def power_now(self, active, sharers: int) -> tuple:
-        """(power parts in mW, compute units' power at nominal clock) for the current
+        """(power parts in mW, compute units' power at nominal clock, the TCM power of
+        the NPU's compute commands and the same at nominal clock) for the current
         activities (``sharers``: transfers on the bus)."""
         spec, e = self.spec, self.emu.profile.dvfs_exponent
         mhz = spec.clock_mhz / 1000.0
         parts = {"static": spec.power_static_mw, "units": 0.0, "dram": 0.0, "tcm": 0.0,
                  "host": 0.0}
-        nominal = 0.0
+        nominal = tcm_nominal = 0.0
         for act in active.values():
             if act.phase == "compute":
                 p = spec.power_unit_mw[act.unit]
@@ -315,11 +310,13 @@ class Timeline:
                 else:
                     nominal += p
                     parts["units"] += p * self.scale ** e
+                    # its TCM bytes per cycle follow its progress: the clock
+                    tcm_nominal += act.tcm_pj / act.work * mhz if act.tcm_pj else 0.0
             if act.tcm_pj and act.phase in ("compute", "transfer"):
                 parts["tcm"] += act.tcm_pj / act.work * act.rate(self, sharers) * mhz
         if sharers:
             parts["dram"] = spec.dram_bytes_per_cycle * spec.dram_pj_per_byte * mhz
-        return parts, nominal
+        return parts, nominal, tcm_nominal * self.scale, tcm_nominal
 
 
 class _Activity:
@@ -425,8 +422,8 @@ class _Run:
                 break
             t1 = min(t, clock.next_dvfs)
             dt = t1 - clock.now
-            sharers, parts, nominal = self._load()
-            clock.log.add(t1, parts, nominal)
+            sharers, parts, nominal, tcm, tcm_nominal = self._load()
+            clock.log.add(t1, parts, nominal, tcm, tcm_nominal)
             for act in self.active.values():
                 act.remaining -= act.rate(clock, sharers) * dt
             if clock.scale < 1.0:
@@ -572,7 +569,7 @@ class _Run:
             self.unit_free[u] = self.clock.now
         self.hazards.barrier()
         if isinstance(cmd, Launch) and not cmd.keep_tcm:
-            self.emu.tcm_init.launch(tuple(_tcm_region(r) for r in cmd.carry))
+            self.emu.tcm_init.launch(tuple(tcm_region(r) for r in cmd.carry))
 
     # -- execution --------------------------------------------------------------------
     def _dram_window(self, i, ref, rows):
@@ -598,17 +595,17 @@ class _Run:
         if not load and self.program.tensors[dram_ref.tensor].kind == "const":
             raise InvalidProgramError(f"DmaStore writes const tensor {dram_ref.tensor!r}", i)
         view, dram_region, start_byte = self._dram_window(i, dram_ref, rows)
-        tcm_region = _tcm_region(tcm_ref, rows)
+        tcm_win = tcm_region(tcm_ref, rows)
         if load:
             # const tensors are never written (stores and host ops to them are refused), so
             # reading one cannot race: not recorded, which keeps the race tables short
             const = self.program.tensors[dram_ref.tensor].kind == "const"
             self.hazards.check(i, step.unit, vc, () if const else (dram_region,),
-                               (tcm_region,), self.names)
-            self.emu.tcm_init.write((tcm_region,))
+                               (tcm_win,), self.names)
+            self.emu.tcm_init.write((tcm_win,))
         else:
-            self.hazards.check(i, step.unit, vc, (tcm_region,), (dram_region,), self.names)
-            self.emu.tcm_init.check(i, (tcm_region,), self.names)
+            self.hazards.check(i, step.unit, vc, (tcm_win,), (dram_region,), self.names)
+            self.emu.tcm_init.check(i, (tcm_win,), self.names)
         F.dma(cmd, self.emu.tcm, view, rows)
         isz = ITEMSIZE[tcm_ref.dtype]
         nbytes = rows * tcm_ref.shape[1] * isz

@@ -18,6 +18,8 @@ import numpy as np
 
 from edgetvm.errors import InvalidProgramError
 
+from ..isa import ITEMSIZE
+
 
 @dataclass(frozen=True)
 class Region:
@@ -41,6 +43,13 @@ class Region:
     def describe(self) -> str:
         where = "TCM" if self.space == "tcm" else f"DRAM tensor {self.space[5:]!r}"
         return f"{where} bytes [{self.offset}, {self.end})"
+
+
+def tcm_region(ref, rows: int | None = None) -> Region:
+    """The bytes a TCM operand (a ``TcmRef``; its first ``rows`` rows) covers."""
+    isz = ITEMSIZE[ref.dtype]
+    return Region("tcm", ref.offset, ref.shape[0] if rows is None else rows,
+                  ref.shape[1] * isz, ref.stride * isz)
 
 
 def overlaps(a: Region, b: Region) -> bool:

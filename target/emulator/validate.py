@@ -7,10 +7,12 @@ event protocol. Parameter-dependent DRAM windows are checked when they execute.
 from __future__ import annotations
 
 from collections import Counter
+from numbers import Integral
 
 from edgetvm.errors import InvalidProgramError
 
 from ..host_ops import HOST_OPS
+from .hazards import overlaps, tcm_region
 from ..isa import (DTYPES, ITEMSIZE, VECTOR_OP_ARITY, Affine, DmaLoad, DmaStore, DramRef, End,
                    EventSignal, EventWait, HostOp, Launch, Mma, Program, TcmRef, Vector, predicates)
 
@@ -61,12 +63,28 @@ def _fail(msg):
     raise InvalidProgramError(msg)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _check_ints(what: str, **values) -> None:
+    """Fields that count bytes, rows, channels or flops are integers (a float or a bool
+    there would index the wrong thing, or fail deep in the emulator)."""
+    for name, v in values.items():
+        if not _is_int(v):
+            _fail(f"{what}: {name} must be an integer, got {v!r}")
+
+
 def _check_tcm(ref, program, spec, what):
     if not isinstance(ref, TcmRef):
         _fail(f"{what} must be a TcmRef, got {type(ref).__name__}")
     if ref.dtype not in DTYPES:
         _fail(f"{what}: unknown dtype {ref.dtype!r}")
-    if len(ref.shape) != 2 or min(ref.shape) <= 0:
+    if len(ref.shape) != 2:
+        _fail(f"{what}: shape must be (rows, cols) > 0, got {ref.shape}")
+    _check_ints(what, offset=ref.offset, rows=ref.shape[0], cols=ref.shape[1],
+                row_stride=ref.stride)
+    if min(ref.shape) <= 0:
         _fail(f"{what}: shape must be (rows, cols) > 0, got {ref.shape}")
     if ref.stride < ref.shape[1]:
         _fail(f"{what}: row stride {ref.stride} < cols {ref.shape[1]}")
@@ -108,7 +126,12 @@ def _check_dram(ref, program, what, rows=None):
     decl = program.tensors.get(ref.tensor)
     if decl is None:
         _fail(f"{what}: no DRAM tensor {ref.tensor!r} in the program's tensor table")
-    if len(ref.shape) != 2 or min(ref.shape) <= 0 or ref.row_stride < 0:
+    if len(ref.shape) != 2:
+        _fail(f"{what}: bad window shape {ref.shape} / row stride {ref.row_stride}")
+    _check_ints(what, rows=ref.shape[0], cols=ref.shape[1], row_stride=ref.row_stride)
+    if not isinstance(ref.offset, Affine):
+        _check_ints(what, offset=ref.offset)
+    if min(ref.shape) <= 0 or ref.row_stride < 0:
         _fail(f"{what}: bad window shape {ref.shape} / row stride {ref.row_stride}")
     if isinstance(ref.offset, Affine):
         unknown = [n for n in ref.offset.names() if n not in program.params]
@@ -132,6 +155,9 @@ def _check_command(cmd, program, spec):
             _fail(f"predicate {w!r} is not an affine value of runtime parameters")
         _check_params(w, program, "when")
     if isinstance(cmd, (DmaLoad, DmaStore)):
+        _check_ints("DMA", channel=cmd.channel)
+        if cmd.valid_rows is not None and not isinstance(cmd.valid_rows, Affine):
+            _check_ints("DMA", valid_rows=cmd.valid_rows)
         if not 0 <= cmd.channel < spec.dma_channels:
             _fail(f"DMA channel {cmd.channel} does not exist ({spec.name} has "
                   f"{spec.dma_channels})")
@@ -154,6 +180,10 @@ def _check_command(cmd, program, spec):
     elif isinstance(cmd, HostOp):
         if cmd.fn not in HOST_OPS:
             _fail(f"unknown host op {cmd.fn!r}; known: {', '.join(sorted(HOST_OPS))}")
+        # the CPU's time is charged from the flops the op declares
+        _check_ints(f"host op {cmd.fn!r}", flops=cmd.flops)
+        if cmd.flops < 0:
+            _fail(f"host op {cmd.fn!r}: flops {cmd.flops} < 0")
         for t in tuple(cmd.inputs) + tuple(cmd.outputs):
             if t not in program.tensors:
                 _fail(f"host op {cmd.fn!r}: no DRAM tensor {t!r}")
@@ -208,6 +238,13 @@ def _check_mma(cmd, program, spec):
         _fail(f"MMA accumulates in {acc}; out is {cmd.out.dtype}")
     if tuple(cmd.out.shape) != (m, n):
         _fail(f"MMA: out {cmd.out.shape} != (M, N) = {(m, n)}")
+    # the array writes each output tile as it finishes while later tiles still read the
+    # operands: an output over its own operands would read what it has just written
+    out = tcm_region(cmd.out)
+    for f in ("a", "b", "scales", "zeros"):
+        r = getattr(cmd, f, None)
+        if isinstance(r, TcmRef) and overlaps(out, tcm_region(r)):
+            _fail(f"MMA: out overlaps its operand {f} in the TCM")
 
 
 def _check_vector(cmd, program, spec):

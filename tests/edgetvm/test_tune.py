@@ -980,6 +980,42 @@ def test_the_best_knobs_of_another_measuring_context_are_measured_first(tmp_path
     assert canonical_knobs(kn[3]) not in first + second
 
 
+def test_the_best_knobs_of_an_earlier_emulator_model_are_measured_again_first(tmp_path, mc):
+    """After the emulator model changed (its version is part of a record's key) a log's
+    records no longer count, but its best knobs are still the best guess: a tune measures
+    them first (carried, ``CARRIED`` per context), even beside the same neighbours; the
+    records of another profile or another model are not carried, and no old record's
+    cycles are taken as this version's."""
+    import dataclasses
+
+    from edgetvm.tune.log import Record
+    import random
+    t = next(t for t in extract_tasks(mc, [("prefill", 16, 1)])
+             if t.kind == "cluster" and len(t.shape["matmuls"]) >= 2)
+    ctx = log_context(LLAMA, mc.spec, None, None)
+    old = dataclasses.replace(ctx, emulator=ctx.emulator - 1, edgetvm="0.0.1")
+    other_profile = dataclasses.replace(old, profile="balanced")
+    other_model = dataclasses.replace(old, model="0" * 64)
+    with TuningLog(str(tmp_path / "log")) as tlog:
+        probe = Tuner(mc, [t], tlog, ctx, progress=False, seed=0)
+        pts = probe._affordable(t, t.sample(random.Random(5), 40, set()))
+        ladder = {canonical_knobs(t.to_knobs(p)) for p in t.seeds()}
+        kn = [t.to_knobs(p) for p in pts if canonical_knobs(t.to_knobs(p)) not in ladder][:8]
+        for i, c in enumerate((300, 100, 200)):
+            tlog.append(Record(old, t.workload, t.kind, t.label, kn[i], OK, cycles=c,
+                               neighbours=t.context, time=1000.0 + i))
+        for i, cx in ((3, other_profile), (4, other_model)):
+            tlog.append(Record(cx, t.workload, t.kind, t.label, kn[i], OK, cycles=1,
+                               neighbours=t.context, time=2000.0 + i))
+        tuner = Tuner(mc, [t], tlog, ctx, progress=False, seed=0)
+    s = tuner.states[0]
+    assert [canonical_knobs(k) for k in s.carried] == \
+        [canonical_knobs(kn[i]) for i in (1, 2, 0)]
+    assert s.best_cycles is None and s.trials == 0
+    first = [canonical_knobs(k) for k in tuner._propose(s, 8)]
+    assert first[:3] == [canonical_knobs(kn[i]) for i in (1, 2, 0)]
+
+
 def test_every_program_counts_alike_in_a_tasks_weight(tmp_path, mc):
     """Tuner.weight: a task's occurrences over its programs' default cycles (a program's
     default is its tasks' occurrences x cycles). A kernel of a short program weighs more

@@ -283,3 +283,36 @@ def test_throttling_slows_dma_set_up_and_not_host_ops(spec):
     (host,) = [e for e in r.trace if e.unit == "host"]
     assert host.end - host.start == pytest.approx(
         s.host_switch_cycles + math.ceil(1000 / s.host_flops_per_cycle))
+
+
+@pytest.mark.parametrize("exponent", [1.0, 3.0])
+def test_governor_holds_the_budget_when_tcm_power_follows_the_clock(spec, exponent):
+    """A stream of MMAs draws TCM power about as large as the matrix unit's; their bytes
+    per cycle follow the clock, so the governor must count it with what it slows. It
+    counted it as fixed (emulator model 3): throttled, that term shrank and the next
+    interval ran too fast, then too slow, the windows swinging around the budget (271 /
+    1,328 mW under 700). Now every interval after the first draws the budget, at the
+    clock that solves static + matrix * s**e + tcm * s = budget."""
+    s = power_profile(spec, 700, exponent)
+    curve, c = power_curve(s, 1)
+    tcm = curve[-1] - s.power_static_mw - s.power_unit_mw["matrix"]       # at full clock
+    assert tcm > 0.5 * s.power_unit_mw["matrix"]      # a test of something: TCM matters
+    # the clock that meets the budget, written from the definition (numpy's roots)
+    e = int(exponent)
+    poly = np.zeros(e + 1)                 # matrix * s**e + tcm * s + static - 700
+    poly[0] += s.power_unit_mw["matrix"]
+    poly[e - 1] += tcm
+    poly[e] = s.power_static_mw - 700.0
+    roots = np.roots(poly)
+    want = max(r.real for r in roots if abs(r.imag) < 1e-9 and 0 < r.real <= 1)
+    r = Emulator(s).run(mma_stream(s, 400, dma=False))
+    assert r.counters.min_clock_scale == pytest.approx(want, rel=1e-6)
+    # the first interval runs at full clock (the governor has seen nothing yet); every
+    # whole one after it draws the budget, none over
+    per_interval = np.asarray(r.power_mw)
+    assert per_interval[0] == pytest.approx(curve[-1], rel=1e-6)
+    assert np.allclose(per_interval[1:-1], 700.0, rtol=1e-6)
+    # energy: the MMAs' TCM bytes cost the same at any clock
+    work = 400 * c
+    assert r.counters.energy_uj_by["tcm"] == pytest.approx(tcm * work / s.clock_mhz * 1e-3,
+                                                           rel=1e-6)

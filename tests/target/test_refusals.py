@@ -316,6 +316,56 @@ def test_unknown_host_op(spec):
     refused(spec, b.build(), index=0, match="unknown host op 'topk'; known: add, argmax")
 
 
+@pytest.mark.parametrize("flops, match", [(-10 ** 9, r"flops -1000000000 < 0"),
+                                           (2.5, r"flops must be an integer, got 2.5")])
+def test_a_host_op_cannot_declare_its_work_away(spec, flops, match):
+    """A HostOp's CPU time is charged from the flops it declares: negative flops made the
+    op (its switch cost too) free."""
+    from edgetvm.target.isa import HostOp
+    b = loader(spec)
+    b.tensor("y", (64, 64), "float16", "output")
+    b.emit(HostOp(fn="copy", inputs=("x",), outputs=("y",), flops=flops))
+    refused(spec, b.build(), index=0, match=match)
+
+
+@pytest.mark.parametrize("operand", ["a", "b"])
+def test_an_mma_writing_over_its_own_operand_is_refused(spec, operand):
+    """The matrix array writes each output tile as it finishes while the next tiles still
+    read the operands: an out over ``a`` (or ``b``) computes garbage on hardware; the
+    emulator, working on whole operands, gave the exact product."""
+    b = loader(spec, (32, 64))
+    a, w = b.tcm((32, 64), "float16"), b.tcm((64, 64), "float16")
+    over = a if operand == "a" else w
+    out = TcmRef(over.offset, (32, 64), "float32")       # 8 KB from the operand's start
+    b.emit(Mma(out=out, a=a, b=w))
+    refused(spec, b.build(), index=0, match=f"MMA: out overlaps its operand {operand}")
+    # beside them, not over them: runs
+    ok = loader(spec, (32, 64))
+    a, w = ok.tcm((32, 64), "float16"), ok.tcm((64, 64), "float16")
+    ok.emit(Mma(out=ok.tcm((32, 64), "float32"), a=a, b=w))
+    Emulator(spec).run(ok.build())
+
+
+@pytest.mark.parametrize("field, value", [("channel", True), ("channel", 1.0),
+                                          ("valid_rows", 2.5)])
+def test_a_dma_field_that_is_not_an_integer_is_refused(spec, field, value):
+    """A bool or float channel failed as KeyError 'dmaTrue' deep in the emulator; a float
+    valid_rows as AttributeError."""
+    b = loader(spec)
+    kw = {field: value}
+    b.emit(DmaLoad(dst=b.tcm((64, 64), "float16"), src=b.dram("x"), **kw))
+    refused(spec, b.build(), index=0, match=f"DMA: {field} must be an integer, got {value!r}")
+
+
+def test_tcm_and_dram_windows_with_float_sizes_are_refused(spec):
+    b = loader(spec)
+    b.emit(DmaLoad(dst=TcmRef(0, (64, 64), "float16", 64.0), src=b.dram("x")))
+    refused(spec, b.build(), index=0, match="row_stride must be an integer, got 64.0")
+    b = loader(spec)
+    b.emit(DmaLoad(dst=b.tcm((64, 64), "float16"), src=DramRef("x", (64, 64), 64.5)))
+    refused(spec, b.build(), index=0, match="row_stride must be an integer, got 64.5")
+
+
 # -- double buffering ------------------------------------------------------------------------------
 @pytest.mark.parametrize("m", [64, 256])
 def test_correct_double_buffering_passes_and_a_missing_event_is_caught(spec, double_buffered, m):
