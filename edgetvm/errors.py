@@ -47,14 +47,28 @@ class RequestRefused(EdgeTVMError):
 
 def check_output_file(path: str, option: str) -> None:
     """Refuse, before any work, an output file that cannot be written: ``path`` (given by
-    ``option``, e.g. ``-o``) is a directory, or its directory is missing or not writable."""
+    ``option``, e.g. ``-o``) is empty, a directory, something other than a regular file (a
+    device, a pipe: writing it would replace it), or its directory is missing or refuses
+    a new file (tried, not judged from permission bits: root passes those on read-only
+    file systems such as /sys)."""
+    import tempfile
+    if not path:
+        raise EdgeTVMError(f"{option}: an empty path; name the file to write")
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise EdgeTVMError(f"{option} {path}: is a directory; name the file to write")
     if not os.path.isdir(parent):
         raise EdgeTVMError(f"{option} {path}: no directory {parent}")
-    if not os.access(parent, os.W_OK | os.X_OK) or (
-            os.path.exists(path) and not os.access(path, os.W_OK)):
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise EdgeTVMError(f"{option} {path}: exists and is not a regular file; name a file "
+                           f"to write")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".edgetvm-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise EdgeTVMError(f"{option} {path}: not writable ({e.strerror})") from None
+    if os.path.exists(path) and not os.access(path, os.W_OK):
         raise EdgeTVMError(f"{option} {path}: not writable")
 
 

@@ -51,6 +51,9 @@ def _ids(text: str) -> list:
                                          f"{text!r}") from None
     if not ids:
         raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    negative = [i for i in ids if i < 0]
+    if negative:     # -1 would index the vocabulary from its end, here and in onnxruntime
+        raise argparse.ArgumentTypeError(f"--prompt-ids: token ids are >= 0, got {negative}")
     return ids
 
 
@@ -106,12 +109,12 @@ def cached_build(args):
     artifact."""
     from edgetvm import __version__
     from edgetvm.build.cli import DEFAULT_BUCKETS, build
-    from edgetvm.build.fingerprint import compiler_fingerprint, file_sha256
+    from edgetvm.build.fingerprint import compiler_fingerprint, model_sha256
     from edgetvm.runtime.artifact import load_artifact
     from edgetvm.target.spec import EMULATOR_MODEL_VERSION, load_spec
 
     spec = load_spec(args.target or "edge-npu-16mb")
-    options = {"onnx": file_sha256(args.model), "target": spec.hash(), "profile": args.profile,
+    options = {"onnx": model_sha256(args.model), "target": spec.hash(), "profile": args.profile,
                "strategy": args.strategy, "chunk": args.chunk, "quantize": args.quantize,
                "zero_points": args.zero_points, "keep_fp16": args.keep_fp16,
                "max_tokens": args.max_tokens,
@@ -403,10 +406,10 @@ def _same_onnx(art, args) -> bool:
     the run, when it does not."""
     if not args.check_onnx:
         return True
-    from edgetvm.build.fingerprint import file_sha256
+    from edgetvm.build.fingerprint import model_sha256
     path = _check_onnx_path(args)
     built = (art.manifest.get("onnx") or {}).get("sha256")
-    if built and file_sha256(path) == built:
+    if built and model_sha256(path) == built:
         return True
     print(f"check-onnx: {path} is not the ONNX file {args.model} was built from (another "
           f"SHA-256); a difference may be the files', not the program's", flush=True)

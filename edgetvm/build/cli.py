@@ -13,12 +13,14 @@ from edgetvm import interrupt
 from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
 
-from .fingerprint import describe_quantize, file_sha256
+from .fingerprint import describe_quantize, model_sha256
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
 def ints_option(text: str) -> tuple:
+    if any(not t.strip() for t in text.split(",")) and text.strip():
+        raise argparse.ArgumentTypeError(f"an empty item in {text!r}")
     try:
         vals = tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
@@ -72,7 +74,7 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
         bar.close()
     g = mc.graph(*keys[-1])
     manifest = {
-        "onnx": {"file": os.path.basename(onnx_path), "sha256": file_sha256(onnx_path)},
+        "onnx": {"file": os.path.basename(onnx_path), "sha256": model_sha256(onnx_path)},
         "target": {"name": mc.spec.name, "hash": mc.spec.hash()},
         "profile": profile or mc.spec.default_profile,
         "strategy": strategy,
@@ -221,6 +223,13 @@ def main(argv=None) -> int:
                 os.path.samefile(args.output, args.model):
             raise EdgeTVMError(f"-o {args.output} is the model being built; name another "
                                f"file (model.npu)")
+        if os.path.exists(args.output) and os.path.isfile(args.model):
+            from .fingerprint import external_data_files
+            if any(os.path.samefile(args.output, f) for f in
+                   external_data_files(args.model) if os.path.exists(f)):
+                raise EdgeTVMError(f"-o {args.output} holds the weights of the model being "
+                                   f"built (its external data); name another file "
+                                   f"(model.npu)")
         with interrupt.watching():
             m = build(args.model, args.output, target=args.target, profile=args.profile,
                       strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,

@@ -9,9 +9,51 @@ import os
 
 def file_sha256(path: str) -> str:
     h = hashlib.sha256()
+    _hash_file(h, path)
+    return h.hexdigest()
+
+
+def _hash_file(h, path: str) -> bool:
+    """Feed ``path`` to ``h``; does its content hold the marker of ONNX external data
+    (the ``location`` key of a tensor's ``external_data``)?"""
+    marker, tail, found = b"location", b"", False
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
+            found = found or marker in tail + block[:len(marker)] or marker in block
+            tail = block[-len(marker):]
+    return found
+
+
+def external_data_files(onnx_path: str) -> list:
+    """The files (absolute paths, sorted) that hold the weights ``onnx_path`` stores
+    outside itself (ONNX external data)."""
+    import onnx
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+    model = onnx.load(onnx_path, load_external_data=False)
+    base = os.path.dirname(os.path.abspath(onnx_path))
+    files = set()
+    for t in _get_all_tensors(model):
+        if uses_external_data(t):
+            loc = next((e.value for e in t.external_data if e.key == "location"), None)
+            if loc:
+                files.add(os.path.normpath(os.path.join(base, loc)))
+    return sorted(files)
+
+
+def model_sha256(onnx_path: str) -> str:
+    """The identity of a model: the SHA-256 of its ONNX file, and, where it keeps weights
+    in external data files, of those files too (a build of the same graph with other
+    weights is another model). Equal to :func:`file_sha256` for a self-contained file."""
+    h = hashlib.sha256()
+    if not _hash_file(h, onnx_path):
+        return h.hexdigest()
+    files = external_data_files(onnx_path)
+    if not files:                 # the bytes happened to hold the marker: self-contained
+        return h.hexdigest()
+    for path in files:
+        h.update(b"\0" + os.path.basename(path).encode() + b"\0")
+        _hash_file(h, path)
     return h.hexdigest()
 
 

@@ -119,6 +119,10 @@ def read_onnx_file(path: str) -> onnx.ModelProto:
         raise ModelImportError(
             f"{path}: not a readable ONNX model (truncated or not ONNX at all): {err}"
         ) from None
+    except onnx.checker.ValidationError as err:
+        # a missing external-data file: onnx says where it looked
+        raise ModelImportError(f"{path}: cannot read the model's external data: "
+                               f"{str(err).strip().splitlines()[0]}") from None
     except (OSError, ValueError, RuntimeError) as err:
         # Missing or unreadable external-data files surface as these.
         raise ModelImportError(f"{path}: cannot read the model: {err}") from None

@@ -1,7 +1,9 @@
 """The deployable artifact: ``python -m edgetvm.build`` then ``python -m edgetvm.run
 model.npu``, checked against onnxruntime; deterministic bytes; refusals of damaged files."""
 import json
+import os
 import pathlib
+import stat
 import zipfile
 
 import numpy as np
@@ -264,11 +266,81 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, c
     assert build_main([str(model), "-o", str(model)]) == 1
     assert "is the model being built" in capsys.readouterr().err
     assert model.read_bytes() == pathlib.Path(LLAMA).read_bytes()
+    # an empty path; a device or pipe (replaced by the zip, as root even /dev/full)
+    assert build_main([LLAMA, "-o", ""]) == 1
+    assert "-o: an empty path" in capsys.readouterr().err
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert build_main([LLAMA, "-o", str(fifo)]) == 1
+    assert "exists and is not a regular file" in capsys.readouterr().err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    # a directory that takes no new file, whatever its permission bits say to root
+    if os.path.isdir("/proc/self"):
+        assert build_main([LLAMA, "-o", "/proc/self/m.npu"]) == 1
+        assert "-o /proc/self/m.npu: not writable" in capsys.readouterr().err
     # a build cache that is a file
     monkeypatch.undo()
     monkeypatch.setenv("EDGETVM_CACHE", str(model))
     assert run_main([LLAMA, "--prompt-ids", "1,2"]) == 2
     assert "is not a directory edgetvm can create" in capsys.readouterr().err
+
+
+def _with_external_data(src, dst_dir):
+    """``src`` saved in ``dst_dir`` as m.onnx with its weights in m.onnx.data."""
+    import onnx
+    path = dst_dir / "m.onnx"
+    onnx.save(onnx.load(src), str(path), save_as_external_data=True,
+              location="m.onnx.data", size_threshold=0)
+    return path
+
+
+def _scale_largest_weight(path, scale):
+    """Scale, in place in its external data file, the largest float tensor of ``path``
+    (the .onnx file is not touched)."""
+    import onnx
+    model = onnx.load(str(path), load_external_data=False)
+    init = max((t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT),
+               key=lambda t: np.prod(t.dims))
+    info = {e.key: e.value for e in init.external_data}
+    data = path.parent / info["location"]
+    raw = bytearray(data.read_bytes())
+    lo, n = int(info.get("offset", 0)), int(info["length"])
+    raw[lo:lo + n] = (np.frombuffer(bytes(raw[lo:lo + n]), np.float32) * scale).tobytes()
+    data.write_bytes(bytes(raw))
+
+
+def test_a_model_with_external_data_is_its_graph_and_its_weights(tmp_path, monkeypatch,
+                                                                 capsys):
+    """A model whose weights are in an external data file: its identity (the build cache's
+    key, the artifact's and the tuning log's model hash) covers that file, so new weights
+    beside the same .onnx are never served by the old build (``run`` reused it: a wrong
+    answer, caught only by --check-onnx); -o onto the weights is refused, not overwritten;
+    a missing weights file is a one-line error."""
+    from edgetvm.build.fingerprint import file_sha256, model_sha256
+    assert model_sha256(LLAMA) == file_sha256(LLAMA)       # self-contained: the file's hash
+    path = _with_external_data(LLAMA, tmp_path)
+    data = tmp_path / "m.onnx.data"
+    first = model_sha256(str(path))
+    assert first != file_sha256(str(path))
+    monkeypatch.setenv("EDGETVM_CACHE", str(tmp_path / "cache"))
+    args = [str(path), "--prompt-ids", "5,17", "--max-new-tokens", "2", "--max-tokens", "32",
+            "-q", "--check-onnx"]
+    assert run_main(args) == 0 and "building" in capsys.readouterr().out
+    graph = path.read_bytes()
+    _scale_largest_weight(path, 1.5)                      # new weights, the same graph
+    assert path.read_bytes() == graph and model_sha256(str(path)) != first
+    assert run_main(args) == 0
+    out = capsys.readouterr().out
+    assert "building" in out and "ids identical" in out
+    assert len(list((tmp_path / "cache").glob("*.npu"))) == 2
+    before = data.read_bytes()
+    assert build_main([str(path), "-o", str(data)]) == 1
+    assert "holds the weights of the model being built" in capsys.readouterr().err
+    assert data.read_bytes() == before
+    data.unlink()
+    assert build_main([str(path), "-o", str(tmp_path / "m.npu")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot read the model's external data" in err and "Traceback" not in err
 
 
 def test_a_kv_capacity_past_what_a_build_takes_is_refused_at_once(tmp_path, capsys):

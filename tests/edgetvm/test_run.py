@@ -204,10 +204,19 @@ def test_run_refuses_what_check_onnx_cannot_compare_before_running(monkeypatch, 
     for extra in ([], ["--reference"]):
         assert main([MODEL, "--prompt-ids", "5", "--check-onnx", bundled, *extra]) == 2
         assert "its logits have 2048 entries, the model's 512" in capsys.readouterr().err
-    for bad in ("1,,2", ""):
+    # a with-past export of fixed lengths: onnxruntime's traceback after the NPU run
+    fixed = os.path.join(DATA, "llama_tiny_decode_p8.onnx")
+    assert main([MODEL, "--prompt-ids", "5", "--check-onnx", fixed]) == 2
+    err = capsys.readouterr().err
+    assert "its lengths are fixed (input_ids (1, 1); past_key_values.0.key (1, 2, 8, 16))" \
+        in err and "Traceback" not in err
+    for bad in ("1,,2", "", "-1", "5,-2048"):
         with pytest.raises(SystemExit):
             main([MODEL, "--prompt-ids", bad])
         assert "--prompt-ids" in capsys.readouterr().err
+    with pytest.raises(SystemExit):                    # would run token 2047
+        main([MODEL, "--prompt-ids", "-1"])
+    assert "token ids are >= 0, got [-1]" in capsys.readouterr().err
     for tol in (["--atol", "-1"], ["--rtol", "nan"]):
         with pytest.raises(SystemExit):
             main([MODEL, "--prompt-ids", "5", "--check-onnx", *tol])
