@@ -18,6 +18,7 @@ of ``--length`` tokens with ``--phase prefill``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -139,7 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     if length < 1 or (args.max_tokens is not None and args.max_tokens < 2):
         parser.error("--length must be >= 1 and --max-tokens >= 2")
     try:
+        if args.model.endswith(".npu") and os.path.isfile(args.model):
+            raise EdgeTVMError(f"{args.model}: a built artifact (model.npu); inspect reads "
+                               f"the ONNX file it was built from (the artifact's "
+                               f"manifest.json names it and its programs)")
         dims = _parse_dims(args.dim)
+        from edgetvm.build.compiler import MAX_KV_TOKENS
+        if args.max_tokens is not None and args.max_tokens > MAX_KV_TOKENS:
+            raise EdgeTVMError(f"--max-tokens must be in 2..{MAX_KV_TOKENS}")
         # the compiled path first: it knows the KV capacity the model allows (a learned
         # position table), at which the FLOPs are counted
         compiled, capacity = (None, None) if args.no_compile else \

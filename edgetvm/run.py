@@ -257,6 +257,11 @@ def main(argv=None) -> int:
     if is_artifact and args.log:
         ap.error("--log replays a tuning log while building an ONNX file; a model.npu "
                  "is already built")
+    given = [o for o, v in (("--quantize", args.quantize), ("--max-tokens", args.max_tokens),
+                            ("--keep-fp16", args.keep_fp16)) if v is not None]
+    if is_artifact and given:
+        ap.error(f"{', '.join(given)} choose(s) how an ONNX file is built; a model.npu is "
+                 f"already built (python -m edgetvm.build ... to build another)")
     if not (math.isfinite(args.atol) and args.atol >= 0 and math.isfinite(args.rtol) and
             args.rtol >= 0):
         ap.error("--atol and --rtol must be finite and >= 0")
@@ -305,6 +310,15 @@ def run_reference(args) -> tuple:
     from edgetvm.session import NPUSession
 
     kv = KVSpec.of(args.model)
+    # what the compiled path refuses before its first step, refused here before compiling
+    cap, prompt = args.max_tokens or 1024, args.prompt_ids
+    if len(prompt) + args.max_new_tokens - 1 > cap:
+        raise EdgeTVMError(f"the KV cache holds {cap} tokens; a prompt of {len(prompt)} and "
+                           f"{args.max_new_tokens} new token(s) need "
+                           f"{len(prompt) + args.max_new_tokens - 1} (raise --max-tokens)")
+    bad = [i for i in prompt if kv.vocab and i >= kv.vocab]
+    if bad:
+        raise EdgeTVMError(f"token id(s) {bad} out of the vocabulary ({kv.vocab})")
     print(f"compiling {args.model} (reference path) ...", flush=True)
     rows = (args.chunk,) if args.chunk else args.buckets
     extra = {"row_buckets": tuple(rows)} if rows else {}

@@ -93,8 +93,8 @@ class ModelRunner:
                 cands = [k for k in cands if k[1] == min(c[1] for c in cands)]
         if not cands:
             raise EdgeTVMError(f"no program for {tokens} token(s) at position {pos}: the "
-                               f"artifact was built for {self.keys} (build with --chunk or "
-                               f"a larger --max-tokens)")
+                               f"artifact has {', '.join(map(program_name, self.keys))} "
+                               f"(build with --chunk or a larger --max-tokens)")
         return min(cands, key=lambda k: k[2])
 
     def step(self, ids, pos: int, trace: bool = False):

@@ -232,6 +232,11 @@ def test_run_builds_an_onnx_file_with_the_buckets_asked_for(tmp_path, monkeypatc
     with pytest.raises(SystemExit):
         run_main([str(cached), "--prompt-ids", "5", "--buckets", "4"])
     assert "a model.npu has its own" in capsys.readouterr().err
+    # the build's other choices too (they were ignored without a word)
+    for opt in (["--quantize", "32"], ["--max-tokens", "64"]):
+        with pytest.raises(SystemExit):
+            run_main([str(cached), "--prompt-ids", "5", *opt])
+        assert f"{opt[0]} choose(s) how an ONNX file is built" in capsys.readouterr().err
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys,

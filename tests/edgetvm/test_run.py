@@ -217,6 +217,19 @@ def test_run_refuses_what_check_onnx_cannot_compare_before_running(monkeypatch, 
     with pytest.raises(SystemExit):                    # would run token 2047
         main([MODEL, "--prompt-ids", "-1"])
     assert "token ids are >= 0, got [-1]" in capsys.readouterr().err
+    # the reference path refuses what the compiled one does, before any step (it ran
+    # 1,022 steps, then failed; or failed inside the emulator on an id out of range)
+    monkeypatch.undo()
+    for argv, message in ((["--max-new-tokens", "1100"], "the KV cache holds 1024 tokens; "
+                           "a prompt of 1 and 1100 new token(s) need 1100"),
+                          (["--max-tokens", "8", "--max-new-tokens", "20"],
+                           "the KV cache holds 8 tokens"),
+                          (["--prompt-ids", "5,512"], "token id(s) [512] out of the "
+                           "vocabulary (512)")):
+        args = [MODEL, "--prompt-ids", "5", "--reference", *argv]
+        assert main(args) == 2
+        captured = capsys.readouterr()
+        assert message in captured.err and "compiling" not in captured.out
     for tol in (["--atol", "-1"], ["--rtol", "nan"]):
         with pytest.raises(SystemExit):
             main([MODEL, "--prompt-ids", "5", "--check-onnx", *tol])

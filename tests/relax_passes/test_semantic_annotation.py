@@ -252,6 +252,19 @@ def test_cli_bad_input_exits_2(tmp_path, capsys, content):
     assert captured.err.startswith("error: ") and "Traceback" not in captured.err
 
 
+def test_cli_names_an_artifact_and_a_kv_capacity_it_cannot_take(tmp_path, capsys):
+    """``inspect model.npu`` said "not a readable ONNX model"; --max-tokens past what a
+    build takes was accepted."""
+    npu = tmp_path / "model.npu"
+    npu.write_bytes(b"PK\x03\x04 an artifact")
+    assert edge_inspect.main([str(npu)]) == 2
+    assert "a built artifact (model.npu); inspect reads the ONNX file" in \
+        capsys.readouterr().err
+    assert edge_inspect.main([str(MODELS / "llama_tiny_decode_p8.onnx"), "--max-tokens",
+                              "100000"]) == 2
+    assert "--max-tokens must be in 2..16384" in capsys.readouterr().err
+
+
 def test_cli_bad_dim_exits_2(tmp_path, capsys):
     path = tmp_path / "generic.onnx"
     _elementwise_model(path)

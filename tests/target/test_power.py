@@ -316,3 +316,11 @@ def test_governor_holds_the_budget_when_tcm_power_follows_the_clock(spec, expone
     work = 400 * c
     assert r.counters.energy_uj_by["tcm"] == pytest.approx(tcm * work / s.clock_mhz * 1e-3,
                                                            rel=1e-6)
+    # a run that starts throttled (the clock carried on one timeline) never draws its
+    # demand, but reports it: units and their TCM traffic at nominal clock
+    tl = Emulator(s).timeline()
+    tl.run(mma_stream(s, 200, dma=False))
+    second = tl.run(mma_stream(s, 200, dma=False)).counters
+    assert second.throttled_cycles == second.total_cycles
+    assert second.peak_power_mw == pytest.approx(700.0, rel=1e-6)
+    assert second.peak_power_demand_mw == pytest.approx(curve[-1], rel=1e-6)
