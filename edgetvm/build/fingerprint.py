@@ -52,6 +52,10 @@ def model_sha256(onnx_path: str) -> str:
     if not files:                 # the bytes happened to hold the marker: self-contained
         return h.hexdigest()
     for path in files:
+        if not os.path.isfile(path):
+            from edgetvm.errors import ModelImportError
+            raise ModelImportError(f"{onnx_path}: its weights file {path} (external data) "
+                                   f"is missing")
         h.update(b"\0" + os.path.basename(path).encode() + b"\0")
         _hash_file(h, path)
     return h.hexdigest()

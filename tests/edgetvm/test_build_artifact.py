@@ -346,6 +346,9 @@ def test_a_model_with_external_data_is_its_graph_and_its_weights(tmp_path, monke
     assert build_main([str(path), "-o", str(tmp_path / "m.npu")]) == 1
     err = capsys.readouterr().err
     assert "cannot read the model's external data" in err and "Traceback" not in err
+    assert run_main(args[:-1]) == 2             # no --check-onnx: hashed for the cache
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "m.onnx.data" in err and "Traceback" not in err
 
 
 def test_a_kv_capacity_past_what_a_build_takes_is_refused_at_once(tmp_path, capsys):
