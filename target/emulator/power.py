@@ -31,9 +31,9 @@ budget below the part that does not scale cannot be met: the governor holds
 ``MIN_SCALE`` and the windows stay over budget.
 
 Until emulator model 4 the governor counted the compute commands' TCM power with the part
-that does not scale. TCM power is about as large as the matrix unit's in a GEMM (a
-16x64x64 native tile reads 2 B of ``b`` per MAC per 16 rows), so the clock it set
-overshot in both directions: throttled, the TCM term shrank and the next interval ran too
+that does not scale. TCM power is about as large as the matrix unit's in a GEMM (an MMA
+reads its ``b`` once per 16-row native tile of ``a``: about 0.16 B per MAC), so the clock
+it set overshot in both directions: throttled, the TCM term shrank and the next interval ran too
 fast; fast, it came back and the next ran too slow. The windows swung around the budget
 (under ``low-battery``, 271 / 1,328 mW, alternately, for a stream of MMAs that a steady
 clock of 0.47 holds at 700 mW).
