@@ -22,6 +22,9 @@ class KVSpec:
     head_dim: int
     dtype: str
     vocab: int | None = None    # the logits' width, where the export states it
+    #: "input_ids (1, 1); past_key_values.0.key (1, 2, 8, 16)" where those lengths are
+    #: fixed in the file (a single-step export; generation cannot feed it), else ""
+    fixed: str = ""
 
     @staticmethod
     def of(model_path: str) -> "KVSpec":
@@ -55,19 +58,13 @@ class KVSpec:
                     f"{dims[1]}, past, {dims[3]}): key and "
                     f"value caches of other head counts or sizes (per layer, or K against "
                     f"V as in multi-head latent attention) are not supported")
-        # a growing prompt and KV cache are fed to it: fixed lengths cannot take them
+        logits = next(o for o in m.graph.output if o.name == "logits").type.tensor_type
+        vocab = logits.shape.dim[-1].dim_value if logits.shape.dim else 0
         fixed = [f"{n} ({', '.join(str(x.dim_value) for x in dim)})"
                  for n in ("input_ids", names[0][0])
                  for dim in [inputs[n].type.tensor_type.shape.dim]
                  if dim and all(x.HasField("dim_value") for x in dim)]
-        if fixed:
-            raise ModelImportError(f"{model_path}: its lengths are fixed ({'; '.join(fixed)}):"
-                                   f" generation feeds it prompts and a KV cache of any "
-                                   f"length; export it with symbolic sequence and past "
-                                   f"lengths (as optimum does)")
-        logits = next(o for o in m.graph.output if o.name == "logits").type.tensor_type
-        vocab = logits.shape.dim[-1].dim_value if logits.shape.dim else 0
-        return KVSpec(names, dims[1], dims[3], dtype, vocab or None)
+        return KVSpec(names, dims[1], dims[3], dtype, vocab or None, "; ".join(fixed))
 
 
 @dataclass

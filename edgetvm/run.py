@@ -359,7 +359,12 @@ def _reference_runner(args):
         raise EdgeTVMError(f"--check-onnx {path}: onnxruntime cannot load it: "
                            f"{_first_line(e)}") \
             from None
-    return runner, KVSpec.of(path)
+    kv = KVSpec.of(path)
+    if kv.fixed:      # generation feeds a growing prompt and KV cache
+        raise EdgeTVMError(f"--check-onnx {path}: its lengths are fixed ({kv.fixed}): the "
+                           f"check feeds it prompts and a KV cache of any length; give an "
+                           f"export with symbolic sequence and past lengths (as optimum's)")
+    return runner, kv
 
 
 def _quantized_reference(args, reference, quantize, w4_linears):
