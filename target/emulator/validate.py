@@ -64,7 +64,9 @@ def _fail(msg):
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
+    # ``type(x) is int`` first: validation checks every operand of every command, and the
+    # ABC check of ``Integral`` (numpy integers) costs ten times as much
+    return type(x) is int or (isinstance(x, Integral) and not isinstance(x, bool))
 
 
 def _check_ints(what: str, **values) -> None:
@@ -82,8 +84,9 @@ def _check_tcm(ref, program, spec, what):
         _fail(f"{what}: unknown dtype {ref.dtype!r}")
     if len(ref.shape) != 2:
         _fail(f"{what}: shape must be (rows, cols) > 0, got {ref.shape}")
-    _check_ints(what, offset=ref.offset, rows=ref.shape[0], cols=ref.shape[1],
-                row_stride=ref.stride)
+    rows, cols = ref.shape
+    if not (type(ref.offset) is type(rows) is type(cols) is type(ref.stride) is int):
+        _check_ints(what, offset=ref.offset, rows=rows, cols=cols, row_stride=ref.stride)
     if min(ref.shape) <= 0:
         _fail(f"{what}: shape must be (rows, cols) > 0, got {ref.shape}")
     if ref.stride < ref.shape[1]:
