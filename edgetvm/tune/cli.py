@@ -131,10 +131,11 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
         return (budget["trials"] is not None and budget["trials"] <= 0) or \
             (budget["time_budget"] is not None and budget["time_budget"] <= 0)
 
+    notices: set = set()     # said once per tune, not once per stage
     with tlog:
         def stage(tasks, name, budget, stall):
             return _stage(mc, tasks, tlog, ctx, name, dict(budget, stall=stall), opts,
-                          workers, rpc_tracker, rpc_key, timeout)
+                          workers, rpc_tracker, rpc_key, timeout, notices)
 
         for n in range(1, rounds + 1):
             # a round: the cuts, from those chosen so far (first the strategy's), for at
@@ -214,12 +215,12 @@ def _replay(log_dir: str, ctx):
 
 
 def _stage(mc, tasks, tlog, ctx, name, budget, opts, workers, rpc_tracker, rpc_key,
-           timeout) -> dict:
+           timeout, notices=None) -> dict:
     """One tuner over ``tasks`` with ``budget`` (:meth:`Tuner.run`'s keywords)."""
     from .tuner import Tuner
 
     measurer = make_measurer(mc, tasks, ctx.profile, workers, rpc_tracker, rpc_key,
-                             timeout)
+                             timeout, notices)
     try:
         tuner = Tuner(mc, tasks, tlog, ctx, measurer=measurer, desc=name, **opts)
         return tuner.run(**budget)
@@ -260,13 +261,11 @@ def program_counters(mc, key):
                            Emulator(mc.spec, mc.profile))
 
 
-#: notices already printed (a tune makes a measurer per stage: cut points, then tiles)
-_NOTICES: set = set()
-
-
 def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
-                  timeout=300.0):
-    """The measurer the options ask for (:mod:`edgetvm.tune.measure`)."""
+                  timeout=300.0, notices: set | None = None):
+    """The measurer the options ask for (:mod:`edgetvm.tune.measure`); ``notices``: those
+    already printed (a tune makes a measurer per stage, cut points then tiles, and says
+    each once), None to print every one."""
     from .measure import ForkMeasurer, LocalMeasurer, RunnerDevice, RunnerMeasurer
     if rpc_tracker:
         from edgetvm.rpc_protocol import DEFAULT_KEY
@@ -280,9 +279,10 @@ def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,
             # a worker without a server would wait for one, and fail its candidates
             note = (f"--workers {workers}: the tracker has {servers} server(s) under key "
                     f"{key!r}; measuring with {servers} worker(s)")
-            if note not in _NOTICES:     # once per tune, not once per stage
-                _NOTICES.add(note)
+            if notices is None or note not in notices:
                 print(note, file=sys.stderr)
+                if notices is not None:
+                    notices.add(note)
             workers = servers
         if workers <= 1:   # lowered here, each batch spread over every server
             return RunnerMeasurer(mc, runner, profile, tasks)

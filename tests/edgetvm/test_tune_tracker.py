@@ -112,8 +112,9 @@ def test_more_workers_than_servers_measure_with_one_per_server(tracker, capsys):
 
     mc = ModelCompiler(LLAMA, max_tokens=64, max_rows=16)
     tasks = extract_tasks(mc, [("decode", 1, 4)])
+    said: set = set()                        # the notices one tune has printed
     m = make_measurer(mc, tasks, "performance", workers=3, rpc_tracker=f"127.0.0.1:{tracker}",
-                      rpc_key=KEY, timeout=60)
+                      rpc_key=KEY, timeout=60, notices=said)
     try:
         assert m.workers == 2
         assert "--workers 3: the tracker has 2 server(s)" in capsys.readouterr().err
@@ -122,7 +123,7 @@ def test_more_workers_than_servers_measure_with_one_per_server(tracker, capsys):
     wait_for_free_servers(tracker, 2)
     # a tune's next stage (tiles after cut points) makes another: said once, not again
     m = make_measurer(mc, tasks, "performance", workers=3, rpc_tracker=f"127.0.0.1:{tracker}",
-                      rpc_key=KEY, timeout=60)
+                      rpc_key=KEY, timeout=60, notices=said)
     try:
         assert m.workers == 2
         assert "--workers" not in capsys.readouterr().err
