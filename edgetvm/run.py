@@ -33,7 +33,7 @@ import numpy as np
 from edgetvm import interrupt
 from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
-from edgetvm.build.cli import (add_build_options, check_build_options, ints_option,
+from edgetvm.build.cli import (add_build_options, check_build_options, comma_ints, ints_option,
                                print_host_ops, quantizer_of)
 
 DEFAULT_ATOL = 1e-2
@@ -41,19 +41,12 @@ DEFAULT_RTOL = 1e-2
 
 
 def _ids(text: str) -> list:
-    items = text.split(",")
-    if text.strip() and any(not t.strip() for t in items):
-        raise argparse.ArgumentTypeError(f"--prompt-ids has an empty item: {text!r}")
-    try:
-        ids = [int(t) for t in items if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids wants comma-separated integers, got "
-                                         f"{text!r}") from None
+    ids = comma_ints(text)
     if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+        raise argparse.ArgumentTypeError("no token ids given")
     negative = [i for i in ids if i < 0]
     if negative:     # -1 would index the vocabulary from its end, here and in onnxruntime
-        raise argparse.ArgumentTypeError(f"--prompt-ids: token ids are >= 0, got {negative}")
+        raise argparse.ArgumentTypeError(f"token ids are >= 0, got {negative}")
     return ids
 
 

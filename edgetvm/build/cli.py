@@ -18,14 +18,21 @@ from .fingerprint import describe_quantize, model_sha256
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
-def ints_option(text: str) -> tuple:
-    if any(not t.strip() for t in text.split(",")) and text.strip():
+def comma_ints(text: str) -> list:
+    """The integers of a comma-separated option value (argparse names the option in the
+    error): an empty item or one that is not an integer is refused."""
+    items = text.split(",")
+    if text.strip() and any(not t.strip() for t in items):
         raise argparse.ArgumentTypeError(f"an empty item in {text!r}")
     try:
-        vals = tuple(int(t) for t in text.split(",") if t.strip())
+        return [int(t) for t in items if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
             from None
+
+
+def ints_option(text: str) -> tuple:
+    vals = tuple(comma_ints(text))
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals
