@@ -226,11 +226,11 @@ def main(argv=None) -> int:
         ap.error("--jobs must be >= 1")
     try:
         check_output_file(args.output, "-o")
-        if os.path.exists(args.output) and os.path.exists(args.model) and \
-                os.path.samefile(args.output, args.model):
-            raise EdgeTVMError(f"-o {args.output} is the model being built; name another "
-                               f"file (model.npu)")
         if os.path.exists(args.output) and os.path.isfile(args.model):
+            # the zip would replace the model, or the weights it keeps beside itself
+            if os.path.samefile(args.output, args.model):
+                raise EdgeTVMError(f"-o {args.output} is the model being built; name "
+                                   f"another file (model.npu)")
             from .fingerprint import external_data_files
             if any(os.path.samefile(args.output, f) for f in
                    external_data_files(args.model) if os.path.exists(f)):
