@@ -98,6 +98,15 @@ def feeds_for(kv: KVSpec, ids, past_len: int, past: dict | None):
     return feeds
 
 
+def check_capacity(prompt_len: int, max_new_tokens: int, max_tokens: int) -> None:
+    """Refuse, before the first step, a generation whose tokens would not fit a KV cache
+    of ``max_tokens`` (the last new token is never written to it)."""
+    need = prompt_len + max_new_tokens - 1
+    if need > max_tokens:
+        raise EdgeTVMError(f"the KV cache holds {max_tokens} tokens; a prompt of {prompt_len} "
+                           f"and {max_new_tokens} new token(s) need {need}")
+
+
 def greedy(run, kv: KVSpec, prompt, max_new_tokens: int, on_step=None,
            chunk: int | None = None) -> list:
     """Greedy decode with ``run(feeds) -> (outputs, meter | None)``.

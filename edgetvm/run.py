@@ -299,16 +299,13 @@ def main(argv=None) -> int:
 def run_reference(args) -> tuple:
     """Generate region by region through the Relax VM; prints the step table. The records
     and the quantization: ``(QuantizeW4A16 or None, its W4A16 linears)``."""
-    from edgetvm.generate import KVSpec, greedy
+    from edgetvm.generate import KVSpec, check_capacity, greedy
     from edgetvm.session import NPUSession
 
     kv = KVSpec.of(args.model)
     # what the compiled path refuses before its first step, refused here before compiling
-    cap, prompt = args.max_tokens or 1024, args.prompt_ids
-    if len(prompt) + args.max_new_tokens - 1 > cap:
-        raise EdgeTVMError(f"the KV cache holds {cap} tokens; a prompt of {len(prompt)} and "
-                           f"{args.max_new_tokens} new token(s) need "
-                           f"{len(prompt) + args.max_new_tokens - 1} (raise --max-tokens)")
+    prompt = args.prompt_ids
+    check_capacity(len(prompt), args.max_new_tokens, args.max_tokens or 1024)
     bad = [i for i in prompt if kv.vocab and i >= kv.vocab]
     if bad:
         raise EdgeTVMError(f"token id(s) {bad} out of the vocabulary ({kv.vocab})")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgetvm.errors import EdgeTVMError
-from edgetvm.generate import StepRecord
+from edgetvm.generate import StepRecord, check_capacity
 from edgetvm.kv_state import KVState
 
 
@@ -154,10 +154,7 @@ class ModelRunner:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise EdgeTVMError("the prompt is empty")
-        if len(prompt) + max_new_tokens - 1 > self.info.max_tokens:
-            raise EdgeTVMError(f"the KV cache holds {self.info.max_tokens} tokens; a prompt of "
-                               f"{len(prompt)} and {max_new_tokens} new token(s) need "
-                               f"{len(prompt) + max_new_tokens - 1}")
+        check_capacity(len(prompt), max_new_tokens, self.info.max_tokens)
         self.reset()
         size = chunk or (self.prefill_rows[-1] if len(prompt) > self.prefill_rows[-1] else
                          len(prompt))
