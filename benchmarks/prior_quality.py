@@ -45,11 +45,12 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(rank(np.asarray(a)), rank(np.asarray(b)))[0, 1])
 
 
-def measure_task(mc, task, n: int, seed: int) -> dict:
-    emu = Emulator(mc.spec)
+def measure_task(mc, task, n: int, seed: int, profile: str = "performance") -> dict:
+    emu = Emulator(mc.spec, profile)
+    budget = mc.spec.profile(profile)
     errors = []
     default = measure_candidate(mc, task, task.default_knobs, emu).cycles
-    if prior(task, task.default_knobs, mc.spec) != 0.0:
+    if prior(task, task.default_knobs, mc.spec, profile=budget) != 0.0:
         errors.append(f"{task.label}: the defaults' prior is not 0")
     priors, cycles, rejected, stopped, failed = [], [], 0, 0, []
     # every point of a space of at most ``n`` (``Task.sample`` takes them all), else n
@@ -69,7 +70,7 @@ def measure_task(mc, task, n: int, seed: int) -> dict:
         if not c or c <= 0:
             errors.append(f"{task.label}: {kn} measured {c!r} cycles")
             continue
-        priors.append(prior(task, kn, mc.spec))
+        priors.append(prior(task, kn, mc.spec, profile=budget))
         cycles.append(int(c))
     again = measure_candidate(mc, task, task.default_knobs, emu).cycles
     if again != default:
@@ -101,6 +102,8 @@ def main(argv=None) -> int:
                     help="points per task: the whole space up to this many, else a "
                          "sample (default 400; --quick 24)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default="performance",
+                    help="power profile the points are measured under (default performance)")
     args = ap.parse_args(argv)
     roles = [r.strip() for r in args.roles.split(",") if r.strip()]
     unknown = [r for r in roles if r not in ROLES]
@@ -108,10 +111,10 @@ def main(argv=None) -> int:
         ap.error(f"unknown role(s) {unknown}; known: {', '.join(ROLES)}")
     n = args.points or (24 if args.quick else 400)
     model = args.model or find_model() or BUNDLED
-    print(f"model: {model}")
+    print(f"model: {model}, profile {args.profile}")
     t0 = time.time()
     mc = ModelCompiler(str(model), "edge-npu-16mb", max_tokens=args.max_tokens,
-                       max_rows=args.prefill, profile="performance")
+                       max_rows=args.prefill, profile=args.profile)
     keys = mc.phase_keys((args.prefill,))
     prefill_key = min(k for k in keys if k[0] == "prefill" and k[1] == args.prefill)
     decode_key = max(k for k in keys if k[0] == "decode")
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
         if tasks[role] is None:
             print(f"{role}: the model has no such task")
             continue
-        r = measure_task(mc, tasks[role], n, args.seed)
+        r = measure_task(mc, tasks[role], n, args.seed, args.profile)
         r["role"] = role
         rows.append(r)
         print(f"  {role}: {r['measured']} points measured ({r['rejected']} over the TCM, "
@@ -147,7 +150,8 @@ def main(argv=None) -> int:
     print(f"wall time {(time.time() - t0) / 60:.1f} min")
     if args.json:
         write_json(args.json, {"benchmark": "prior_quality", "model": str(model),
-                               "prefill": args.prefill, "points": n, "seed": args.seed,
+                               "prefill": args.prefill, "profile": args.profile, "points": n,
+                               "seed": args.seed,
                                "rows": rows, "errors": errors})
     return 1 if errors else 0
 

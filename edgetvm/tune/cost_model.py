@@ -6,11 +6,15 @@ lowered and measured): DRAM bytes per level (activations, weights re-read per ro
 outputs), DMA count and mean DMA size (bursts), the TCM footprint of the tiles and their
 buffering slots (and its share of the TCM), tile counts, MACs and arithmetic intensity,
 the pipeline depth (slots), the DMA split, whether TCM buffers share bytes
-(``tcm_fresh``) and whether the units' order is list-scheduled (``list_schedule``). For a run's cuts (a partition task): the
-activation bytes the cuts send through DRAM, the number of kernels, and the largest
-cluster's weights against the TCM. MetaSchedule's per-store features know
-nothing of TCM, DMA or power, so its ``XGBModel`` feature extractor does not apply; the
-model itself is the same idea (gradient-boosted trees on log latency, trained online).
+(``tcm_fresh``) and whether the units' order is list-scheduled (``list_schedule``). For
+a run's cuts (a partition task): the activation bytes the cuts send through DRAM, the
+number of kernels, and the largest cluster's weights against the TCM. Power per unit
+(:func:`power_estimate`): what the matrix and vector units, their TCM traffic and the
+DRAM draw on average, as shares of the profile's budget, and the clock and latency the
+governor would leave the kernel (under a binding budget a candidate that moves fewer
+bytes keeps more of its clock). MetaSchedule's per-store features know nothing of TCM,
+DMA or power, so its ``XGBModel`` feature extractor does not apply; the model itself is
+the same idea (gradient-boosted trees on log latency, trained online).
 
 One model serves every task: the target is ``log(cycles / default cycles)`` of the task,
 so tasks of very different sizes share what they teach (a larger tile that halves the
@@ -22,9 +26,11 @@ from an analytic prior (the ``prior`` feature is each row's base margin):
 :func:`cluster_estimate` charges the knobs' MMAs, weight and activation DMAs and casts
 with the spec's per-command costs, :func:`attention_estimate` the live KV tiles' MMAs,
 softmax passes and page DMAs, :func:`partition_estimate` what the cuts send through DRAM
-and the kernels' launches; the prior is the ratio of that estimate to the defaults'. It ranks a
-task's first round before any measurement, and the trees learn what it misses (pipeline
-fill at stage boundaries, bus contention, power, a joined cluster's TCM pressure). Also
+and the kernels' launches; the prior is the ratio of that estimate to the defaults'
+(for a kernel, of the latency the governor would leave each under the profile's
+budget). It ranks a task's first round before any measurement, and the trees learn what
+it misses (pipeline fill at stage boundaries, bus contention, power in a kernel's hot
+phases, a joined cluster's TCM pressure). Also
 per matmul, in stage order, the knobs themselves (AutoTVM's knob features): the best
 prefill MLPs differ from the defaults in one stage's tiles.
 """
@@ -35,6 +41,7 @@ import math
 import numpy as np
 
 from edgetvm.target.emulator.costs import mma_shape_cycles, vector_shape_cycles
+from edgetvm.target.emulator.power import MIN_SCALE
 from edgetvm.tir_schedules.attention import two_pass_bytes
 from edgetvm.tir_schedules.fused import KNOBS_SINCE
 
@@ -51,6 +58,7 @@ FEATURES = (
     "two_pass", "clusters", "log_cut_bytes", "max_cluster_ops", "max_cluster_w_frac", "mm_clusters",
     "log_est_mma", "log_est_wdma", "log_est_act", "log_est_vec", "log_est_serial",
     "log_est_overlap", "prior", "tile_m_frac", "tcm_fresh", "list_schedule", "resident_w",
+    "pw_units", "pw_tcm", "pw_dram", "pw_total", "est_scale", "log_est_throttled",
 ) + tuple(f"mm{i}_{k}" for i in range(4) for k in (
     "log_tile_n", "log_tile_k", "tile_n_frac", "tile_k_frac", "slots_w", "slots_c")
 ) + tuple(f"kind_{k}" for k in KINDS)
@@ -340,26 +348,98 @@ def partition_estimate(sh: dict, cuts, spec) -> float:
     return work + moved / bw + kernels * (spec.launch_cycles + 2 * spec.dma_setup_cycles)
 
 
-def prior(task, knobs: dict, spec, est: dict | None = None) -> float:
-    """The analytic prior of ``log(cycles / default cycles)``: the same ratio of
-    :func:`cluster_estimate`'s overlapped latency (``est``: that estimate of ``knobs``
-    when the caller has it), or for a run's cuts of :func:`partition_estimate` (0 where
-    there is no estimate)."""
+def power_estimate(est: dict, spec, profile=None) -> dict:
+    """What a kernel's unit estimate (:func:`cluster_estimate`, :func:`attention_estimate`)
+    draws, and the latency the governor leaves it under ``profile``'s budget.
+
+    Energies at nominal clock, from the estimate's unit cycles and the spec's power
+    model (``target/emulator/power.py``): the matrix and vector units at their
+    ``power_unit_mw`` while busy; the TCM traffic of their commands (the matrix unit
+    reads one native tile of ``a`` and of ``b`` per native tile's MACs; a vector pass
+    reads and writes ``vector_lanes`` fp16 elements), which follows the clock; the DRAM
+    bytes of the DMA cycles and the TCM side of those transfers, which do not. Average
+    powers per source are over the overlapped latency ``T0``.
+
+    Throttled at scale ``s`` the compute ``C`` (the busier unit's cycles) stretches to
+    ``C / s`` and the DMAs ``D`` keep their rate, so the kernel takes ``T(s) = T0 -
+    max(C, D) + max(C / s, D)`` (a bandwidth-bound kernel loses nothing until its compute
+    outgrows its transfers) and draws on average ``static + (E_fixed + E_tcm + E_units *
+    s ** (e - 1)) / T(s)`` (a unit's power goes as ``s ** e`` for ``1 / s`` the time);
+    the governor holds the largest ``s`` at which that meets the budget, the floor when
+    none does (DRAM power alone over it). A whole-kernel average: the governor sees 10 us
+    windows, so a kernel with a hot phase throttles more than this says (the trees learn
+    that). Keys:
+    ``units_mw``, ``tcm_mw``, ``dram_mw``, ``total_mw`` (static included) at nominal
+    clock, ``scale`` and ``latency`` (``T(s)``; ``T0`` without a profile)."""
+    mhz = spec.clock_mhz / 1000.0                     # pJ per cycle -> mW
+    t0 = max(1.0, est["overlap"])
+    t_dma, t_c = est["wdma"] + est["act"], max(est["mma"], est["vec"])
+    tm, tn, tk = spec.mma_tile
+    native = tm * tn * tk / spec.mma_macs_per_cycle["fp16"]
+    tcm_pj = (spec.tcm_read_pj_per_byte + spec.tcm_write_pj_per_byte) / 2
+    units = spec.power_unit_mw
+    e_units = est["mma"] * units["matrix"] + est["vec"] * units["vector"]
+    e_tcm = (est["mma"] * (tm * tk + tk * tn) * 2 / native * spec.tcm_read_pj_per_byte +
+             est["vec"] * spec.vector_lanes * 2 * 2 * tcm_pj) * mhz
+    e_fixed = t_dma * spec.dram_bytes_per_cycle * \
+        (spec.dram_pj_per_byte + spec.tcm_write_pj_per_byte) * mhz
+    out = dict(units_mw=e_units / t0, tcm_mw=e_tcm / t0, dram_mw=e_fixed / t0,
+               total_mw=spec.power_static_mw + (e_units + e_tcm + e_fixed) / t0,
+               scale=1.0, latency=t0)
+    if profile is None:
+        return out
+    e = profile.dvfs_exponent
+
+    def latency(s: float) -> float:
+        return t0 - max(t_c, t_dma) + max(t_c / s, t_dma)
+
+    def fits(s: float) -> bool:
+        drawn = (e_fixed + e_tcm + e_units * s ** (e - 1)) / latency(s)
+        return spec.power_static_mw + drawn <= profile.budget_mw
+
+    if fits(1.0):
+        return out
+    lo, hi = MIN_SCALE, 1.0
+    if fits(lo):                # bisect: the draw grows with s
+        while hi - lo > 1e-4:
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    out.update(scale=lo, latency=latency(lo))
+    return out
+
+
+def _estimate(task, knobs: dict, spec) -> dict | None:
+    """The unit estimate of ``knobs`` for a task that has one (a cluster with matmuls, an
+    attention kernel), else None."""
+    if task.kind == "cluster" and task.shape.get("matmuls"):
+        return cluster_estimate(task.shape, knobs, spec)
+    if task.kind in ("prefill_attention", "decode_attention"):
+        return attention_estimate(task.kind, task.shape, knobs, spec)
+    return None
+
+
+def prior(task, knobs: dict, spec, est: dict | None = None, profile=None) -> float:
+    """The analytic prior of ``log(cycles / default cycles)``: the same ratio of the
+    latency :func:`power_estimate` leaves :func:`cluster_estimate`'s or
+    :func:`attention_estimate`'s overlapped latency under ``profile``'s budget (``est``:
+    that unit estimate of ``knobs`` when the caller has it; without a profile, or within
+    the budget, the overlapped latency itself), or for a run's cuts of
+    :func:`partition_estimate` (0 where there is no estimate)."""
     if task.kind == "partition":
         base = partition_estimate(task.shape, task.default_knobs["cuts"], spec)
-        est = partition_estimate(task.shape, knobs["cuts"], spec)
-    elif task.kind == "cluster" and task.shape.get("matmuls"):
-        base = cluster_estimate(task.shape, task.default_knobs, spec)["overlap"]
-        est = (est or cluster_estimate(task.shape, knobs, spec))["overlap"]
-    elif task.kind in ("prefill_attention", "decode_attention"):
-        base = attention_estimate(task.kind, task.shape, task.default_knobs, spec)["overlap"]
-        est = (est or attention_estimate(task.kind, task.shape, knobs, spec))["overlap"]
+        cost = partition_estimate(task.shape, knobs["cuts"], spec)
     else:
-        return 0.0
-    return math.log(max(1.0, est) / max(1.0, base))
+        default = _estimate(task, task.default_knobs, spec)
+        if default is None:
+            return 0.0
+        base = power_estimate(default, spec, profile)["latency"]
+        cost = power_estimate(est or _estimate(task, knobs, spec), spec, profile)["latency"]
+    return math.log(max(1.0, cost) / max(1.0, base))
 
 
-def features(task, knobs: dict, spec) -> np.ndarray:
+def features(task, knobs: dict, spec, profile=None) -> np.ndarray:
+    """The feature row of ``knobs`` for ``task`` (:data:`FEATURES`), under power profile
+    ``profile`` (a :class:`~edgetvm.target.spec.PowerProfile`; None: no budget)."""
     f = dict.fromkeys(FEATURES, 0.0)
     f[f"kind_{task.kind}"] = 1.0
     sh = task.shape
@@ -420,8 +500,8 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  resident_w=rw, matmuls=len(sh["matmuls"]), w4=float(any(sh["quant"])))
         if sh["matmuls"]:
             est = cluster_estimate(sh, knobs, spec)
-            f.update({f"log_est_{k}": _l(v) for k, v in est.items()})
-            f["prior"] = prior(task, knobs, spec, est)
+            f.update(_estimate_features(est, spec, profile))
+            f["prior"] = prior(task, knobs, spec, est, profile)
     elif task.kind == "partition":
         # a run's cuts: activation bytes the cuts send through DRAM and back, how many
         # kernels (start-ups, pipeline fills), the largest cluster's weights against the
@@ -435,7 +515,7 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  max_cluster_w_frac=max(w) / spec.tcm_bytes,
                  mm_clusters=sum(any(sh["matmul"][a:b]) for a, b in spans),
                  log_weight_bytes=_l(sum(w)), log_act_bytes=_l(cut),
-                 matmuls=sum(sh["matmul"]), prior=prior(task, knobs, spec))
+                 matmuls=sum(sh["matmul"]), prior=prior(task, knobs, spec, profile=profile))
     elif task.kind == "embedding":
         tm = knobs["tile_m"]
         tiles = math.ceil(rows / tm)
@@ -476,9 +556,22 @@ def features(task, knobs: dict, spec) -> np.ndarray:
                  two_pass=knobs.get("two_pass", 0),
                  list_schedule=knobs.get("list_schedule", 0))
         est = attention_estimate(task.kind, sh, knobs, spec)
-        f.update({f"log_est_{k}": _l(v) for k, v in est.items()})
-        f["prior"] = prior(task, knobs, spec, est)
+        f.update(_estimate_features(est, spec, profile))
+        f["prior"] = prior(task, knobs, spec, est, profile)
     return np.array([f[k] for k in FEATURES], dtype=np.float32)
+
+
+def _estimate_features(est: dict, spec, profile) -> dict:
+    """The unit estimate's cycles (log) and its power per source (matrix and vector
+    units, their TCM traffic, DRAM) as shares of the budget, the clock and latency the
+    governor would leave it (:func:`power_estimate`)."""
+    pw = power_estimate(est, spec, profile)
+    budget = profile.budget_mw if profile is not None else spec.power_static_mw + \
+        sum(v for k, v in spec.power_unit_mw.items() if k != "host")
+    f = {f"log_est_{k}": _l(v) for k, v in est.items()}
+    f.update({f"pw_{k}": pw[f"{k}_mw"] / budget for k in ("units", "tcm", "dram", "total")})
+    f.update(est_scale=pw["scale"], log_est_throttled=_l(pw["latency"]))
+    return f
 
 
 class CostModel:

@@ -180,7 +180,8 @@ class Tuner:
         self.batch, self.alpha, self.window = int(batch), alpha, window
         self.model = CostModel(seed) if use_model else None
         self.measurer = measurer or LocalMeasurer(mc, context.profile)
-        self.budget_mw = mc.spec.profile(context.profile).budget_mw
+        self.profile = mc.spec.profile(context.profile)
+        self.budget_mw = self.profile.budget_mw
         self.progress, self.desc = progress, desc
         self.measured_now = 0                     # measurements made by this run
         self._resume()
@@ -242,8 +243,8 @@ class Tuner:
         for r in recs:
             s = by_w.get(r.workload)
             if s is not None and s.default_cycles and _teaches(r):
-                self.model.add(features(s.task, r.knobs, self.mc.spec), r.cycles,
-                               s.default_cycles)
+                self.model.add(features(s.task, r.knobs, self.mc.spec, self.profile),
+                               r.cycles, s.default_cycles)
 
     def learn(self, task, records) -> int:
         """Train the cost model on the measurements of another task (``records`` of
@@ -260,7 +261,7 @@ class Tuner:
             return 0
         used = [r for r in records if _teaches(r)]
         for r in used:
-            self.model.add(features(task, r.knobs, self.mc.spec), r.cycles, base)
+            self.model.add(features(task, r.knobs, self.mc.spec, self.profile), r.cycles, base)
         self.model.fit()
         return len(used)
 
@@ -507,7 +508,8 @@ class Tuner:
         if self.model is not None and len(pool) > n:
             # ranked by the model, or by its analytic prior before it has data (a task
             # without a prior, an embedding, keeps the shuffled order: the ranking is stable)
-            X = np.stack([features(t, t.to_knobs(p), self.mc.spec) for p in pool])
+            X = np.stack([features(t, t.to_knobs(p), self.mc.spec, self.profile)
+                          for p in pool])
             for _ in range(GUIDED_GENERATIONS if t.kind in GUIDED_KINDS else 0):
                 # model-guided mutation: the neighbours of the points it ranks highest
                 # join the pool (the pool's random points rarely hold the best region)
@@ -516,7 +518,8 @@ class Tuner:
                     grow(t.neighbours(pool[i]))
                 if len(pool) == size:
                     break
-                X = np.concatenate([X, np.stack([features(t, t.to_knobs(p), self.mc.spec)
+                X = np.concatenate([X, np.stack([features(t, t.to_knobs(p), self.mc.spec,
+                                                          self.profile)
                                                  for p in pool[size:]])])
             order = list(self.model.rank(X))
             explore = max(1, n // 4)
