@@ -1214,3 +1214,19 @@ def test_a_tune_whose_every_trial_fails_reports_why(tmp_path):
     assert rep["note"].startswith("no candidate was measured") and "raise --timeout" in \
         rep["note"]
     assert rep["note"] in format_report(rep)
+
+
+def test_the_report_warns_of_a_phase_the_tune_made_slower_as_a_whole():
+    """Kernels measured faster beside their neighbours can add up to a slower step (under
+    a binding budget the clock one kernel leaves the next is not in that measurement):
+    the report says which program, by how much, and only for that one."""
+    rep = dict(tasks=[], stages=[], measured=0, seconds=1.0, log="L", budget_mw=700.0,
+               step_cycles_default=0, step_cycles_tuned=0, phases=[dict(program="decode_1x64p", default_cycles=264_668,
+                            tuned_cycles=268_766, default_peak_mw=1624.0,
+                            tuned_peak_mw=1371.0),
+                       dict(program="prefill_128x8p", default_cycles=543_151,
+                            tuned_cycles=453_681, default_peak_mw=1681.0,
+                            tuned_peak_mw=1590.0)])
+    warnings = [ln for ln in format_report(rep).splitlines() if ln.startswith("warning")]
+    assert len(warnings) == 1
+    assert "decode_1x64p" in warnings[0] and "1.5% slower" in warnings[0]
