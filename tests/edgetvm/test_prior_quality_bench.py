@@ -35,6 +35,6 @@ def test_prior_quality_measures_whole_spaces_and_reports_the_ranking(tmp_path, c
 
 def test_prior_quality_fails_when_the_defaults_prior_is_not_zero(monkeypatch, capsys):
     bench = load_benchmark(monkeypatch, "prior_quality")
-    monkeypatch.setattr(bench, "prior", lambda task, knobs, spec: 0.25)
+    monkeypatch.setattr(bench, "prior", lambda task, knobs, spec, profile=None: 0.25)
     assert bench.main(ARGS + ["--quick", "--roles", "decode attention"]) == 1
     assert "the defaults' prior is not 0" in capsys.readouterr().out
