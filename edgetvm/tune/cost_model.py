@@ -41,7 +41,7 @@ import math
 import numpy as np
 
 from edgetvm.target.emulator.costs import mma_shape_cycles, vector_shape_cycles
-from edgetvm.target.emulator.power import MIN_SCALE
+from edgetvm.target.emulator.power import largest_scale
 from edgetvm.tir_schedules.attention import two_pass_bytes
 from edgetvm.tir_schedules.fused import KNOBS_SINCE
 
@@ -397,14 +397,9 @@ def power_estimate(est: dict, spec, profile=None) -> dict:
         drawn = (e_fixed + e_tcm + e_units * s ** (e - 1)) / latency(s)
         return spec.power_static_mw + drawn <= profile.budget_mw
 
-    if fits(1.0):
-        return out
-    lo, hi = MIN_SCALE, 1.0
-    if fits(lo):                # bisect: the draw grows with s
-        while hi - lo > 1e-4:
-            mid = 0.5 * (lo + hi)
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    out.update(scale=lo, latency=latency(lo))
+    s = largest_scale(fits, tol=1e-4)       # the draw grows with s
+    if s < 1.0:
+        out.update(scale=s, latency=latency(s))
     return out
 
 

@@ -172,8 +172,19 @@ def governor_scale(log: PowerLog, t: float, spec, profile) -> float:
         return MIN_SCALE
     if e == 1.0:
         return float(room / (nominal + tcm_nominal))
-    lo, hi = MIN_SCALE, 1.0             # drawn() increases with s: bisect to 1e-9
-    while hi - lo > 1e-9:
+    return largest_scale(lambda s: drawn(s) <= room)     # drawn() increases with s
+
+
+def largest_scale(fits, tol: float = 1e-9) -> float:
+    """The largest clock scale ``s`` in ``[MIN_SCALE, 1]`` with ``fits(s)``, to ``tol``, for
+    a ``fits`` that holds below some scale and not above it (a draw that grows with the
+    clock against a budget); ``MIN_SCALE`` when none fits."""
+    if fits(1.0):
+        return 1.0
+    lo, hi = MIN_SCALE, 1.0
+    if not fits(lo):
+        return MIN_SCALE
+    while hi - lo > tol:
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if drawn(mid) <= room else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return float(lo)
