@@ -107,6 +107,17 @@ def check_capacity(prompt_len: int, max_new_tokens: int, max_tokens: int) -> Non
                            f"and {max_new_tokens} new token(s) need {need}")
 
 
+def check_vocab(ids, vocab: int | None) -> None:
+    """Refuse token ids outside a vocabulary of ``vocab`` entries (None: the export does
+    not state it, nothing to check); a negative id within it indexes from the end, as in
+    numpy and onnxruntime."""
+    if vocab is None:
+        return
+    bad = [i for i in ids if not -vocab <= i < vocab]
+    if bad:
+        raise EdgeTVMError(f"token id(s) {bad} out of the vocabulary ({vocab})")
+
+
 def greedy(run, kv: KVSpec, prompt, max_new_tokens: int, on_step=None,
            chunk: int | None = None) -> list:
     """Greedy decode with ``run(feeds) -> (outputs, meter | None)``.

@@ -299,16 +299,14 @@ def main(argv=None) -> int:
 def run_reference(args) -> tuple:
     """Generate region by region through the Relax VM; prints the step table. The records
     and the quantization: ``(QuantizeW4A16 or None, its W4A16 linears)``."""
-    from edgetvm.generate import KVSpec, check_capacity, greedy
+    from edgetvm.generate import KVSpec, check_capacity, check_vocab, greedy
     from edgetvm.session import NPUSession
 
     kv = KVSpec.of(args.model)
     # what the compiled path refuses before its first step, refused here before compiling
     prompt = args.prompt_ids
     check_capacity(len(prompt), args.max_new_tokens, args.max_tokens or 1024)
-    bad = [i for i in prompt if kv.vocab and i >= kv.vocab]
-    if bad:
-        raise EdgeTVMError(f"token id(s) {bad} out of the vocabulary ({kv.vocab})")
+    check_vocab(prompt, kv.vocab)
     print(f"compiling {args.model} (reference path) ...", flush=True)
     rows = (args.chunk,) if args.chunk else args.buckets
     extra = {"row_buckets": tuple(rows)} if rows else {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgetvm.errors import EdgeTVMError
-from edgetvm.generate import StepRecord, check_capacity
+from edgetvm.generate import StepRecord, check_capacity, check_vocab
 from edgetvm.kv_state import KVState
 
 
@@ -106,9 +106,7 @@ class ModelRunner:
         if pos + s > self.info.max_tokens:
             raise EdgeTVMError(f"the KV cache holds {self.info.max_tokens} tokens; this step "
                                f"needs {pos + s}")
-        bad = [i for i in ids if not -self.info.vocab <= i < self.info.vocab]
-        if bad:
-            raise EdgeTVMError(f"token id(s) {bad} out of the vocabulary ({self.info.vocab})")
+        check_vocab(ids, self.info.vocab)
         key = self.key_for(s, pos)
         program = self.program(key)
         params = self.params_for(program, key, ids, pos)
