@@ -63,8 +63,7 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
     if log_dir is not None:
         from edgetvm.tune.log import Replay, log_context
         replay = Replay(log_dir, log_context(onnx_path, mc.spec, mc.profile, quantize))
-        mc.knobs_for = replay
-        mc.set_cuts(replay.cuts_for)
+        mc.replay(replay)
     rows = prefill_rows(asked, mc.max_tokens, chunk)
     keys = mc.phase_keys(rows, chunked=bool(chunk))
     jobs = default_jobs() if jobs is None else jobs
@@ -260,6 +259,9 @@ def main(argv=None) -> int:
     if m.get("tuning"):
         print(f"replayed {args.log}: tuned knobs for {m['tuning']['kernels_tuned']} kernels"
               f", tuned cuts for {m['tuning']['runs_cut']} runs of fusable ops")
+        if m["tuning"]["programs_untuned"]:
+            print(f"  built with the defaults (the log measured them slower tuned): "
+                  f"{', '.join(m['tuning']['programs_untuned'])}")
     print(f"DRAM: {m['weights']['bytes'] / 1e6:.1f} MB weights + {arena / 1e6:.2f} MB "
           f"activation arena (high-water, slots reused by lifetime) + {kv / 1e6:.2f} MB KV "
           f"cache ({md['max_tokens']} tokens)")

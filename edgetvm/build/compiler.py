@@ -44,12 +44,15 @@ class ModelCompiler:
 
     def __init__(self, onnx_path, spec="edge-npu-16mb", *, quantize=None, max_tokens=None,
                  strategy: str = "regions", max_rows: int = 512, shape_overrides=None,
-                 profile: str | None = None, knobs_for=None, cuts_for=None):
+                 profile: str | None = None, knobs_for=None, cuts_for=None,
+                 untuned=()):
         """``knobs_for(kernel key) -> knobs or None``: the knobs each kernel is lowered
         with instead of the defaults; ``cuts_for(run key) -> cuts or None``: the kernel
         boundaries of each run of fusable ops instead of the strategy's
-        (:mod:`edgetvm.build.cuts`). Both are a tuning log's replay
-        (:class:`edgetvm.tune.log.Replay`)."""
+        (:mod:`edgetvm.build.cuts`); ``untuned``: the names of the phase programs
+        (``decode_1x64p``) built with neither, the strategy's partition and default
+        knobs (those a tuning log measured slower tuned). All three are a tuning log's
+        replay (:class:`edgetvm.tune.log.Replay`)."""
         if strategy not in STRATEGIES:
             raise BuildError(f"unknown fusion strategy {strategy!r}; known: "
                              f"{', '.join(STRATEGIES)}")
@@ -59,6 +62,7 @@ class ModelCompiler:
         self._searches: dict = {}
         self._knobs_for = knobs_for
         self.cuts_for = cuts_for
+        self.untuned = frozenset(untuned)
         self.prefetch = True             # cross-kernel weight prefetch (link.py)
         self.max_rows = int(max_rows)
         t0 = time.time()
@@ -219,6 +223,14 @@ class ModelCompiler:
             self._partitions[key] = hit
         return [list(g) for g in hit[1]]
 
+    def replay(self, replay) -> None:
+        """Build from now on as the tuning log's ``replay`` says
+        (:attr:`edgetvm.tune.log.Replay.compiler_options`: knobs, cuts, untuned programs)."""
+        opts = replay.compiler_options
+        self.knobs_for = opts["knobs_for"]
+        self.untuned = frozenset(opts["untuned"])
+        self.set_cuts(opts["cuts_for"])
+
     def set_cuts(self, cuts_for) -> None:
         """Use ``cuts_for`` (see the constructor) from now on."""
         self.cuts_for = cuts_for
@@ -236,17 +248,26 @@ class ModelCompiler:
         if rows > self.max_rows:
             raise BuildError(f"{rows} rows is over the largest bucket ({self.max_rows})")
         g = self.graph(phase, rows, pages)
-        if groups is None:
-            groups = self.partition(g, strategy)
-        program = self.link(g, groups, f"{phase}_{rows}x{pages}p", strategy=strategy)
+        name = f"{phase}_{rows}x{pages}p"
+        if name in self.untuned:          # the log measured it faster untuned
+            if groups is None:
+                groups = self.strategy_partition(g, strategy)
+            program = self.link(g, groups, name, kernels=self.kernels.without_replay(),
+                                strategy=strategy)
+        else:
+            if groups is None:
+                groups = self.partition(g, strategy)
+            program = self.link(g, groups, name, strategy=strategy)
         if cache:
             self._linked[key] = program
         return program
 
-    def link(self, graph, groups, name: str, **metadata):
-        """One program running ``groups`` (a partition of ``graph.ops``) in order."""
+    def link(self, graph, groups, name: str, kernels=None, **metadata):
+        """One program running ``groups`` (a partition of ``graph.ops``) in order, its
+        kernels lowered by ``kernels`` (default: :attr:`kernels`)."""
         consumers = graph.consumers()
-        kernels = [self.kernels.kernel(graph, grp, consumers) for grp in groups]
+        builder = self.kernels if kernels is None else kernels
+        kernels = [builder.kernel(graph, grp, consumers) for grp in groups]
         plan = plan_dram(graph, kernels, self.spec.dram_burst_bytes)
         linker = Linker(graph, plan, self.spec, name, prefetch=self.prefetch)
         for k in kernels:

@@ -12,6 +12,7 @@ relocates the program onto them).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,6 +137,13 @@ class KernelBuilder:
         self._cache: dict = {}
         #: (key, knobs) of every kernel lowered and kept (a build's workers send theirs)
         self.lowered_keys: set = set()
+
+    def without_replay(self) -> "KernelBuilder":
+        """This builder lowering every kernel with its default knobs (``knobs_for``
+        ignored); it shares the cache (keyed by the knobs) and :attr:`lowered_keys`."""
+        other = copy.copy(self)
+        other.knobs_for = None
+        return other
 
     @property
     def lowered(self) -> int:

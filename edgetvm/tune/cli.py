@@ -96,7 +96,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
     from edgetvm.build.cli import DEFAULT_BUCKETS, prefill_rows
     from edgetvm.build.compiler import ModelCompiler
 
-    from .log import Replay, TuningLog, log_context
+    from .log import TuningLog, log_context
     from .tasks import extract_partition_tasks, extract_tasks
 
     check_input_file(onnx_path)
@@ -175,6 +175,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
             if not reps[-1]["stalled"]:
                 break                    # the budget is spent, or every space exhausted
     rep = _merge(reps, time.time() - t_start)
+    rep.setdefault("log", tlog.path)     # (--trials 0: no stage ran)
     rep["programs"] = [f"{p}_{r}x{g}p" for p, r, g in keys]
     rep["context"] = ctx.as_dict()
     failed = sum(t.get("failed", 0) for t in rep["tasks"])
@@ -187,22 +188,54 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
                        ("; raise --timeout" if "TimeoutError" in first else ""))
         validate = False
     if validate:
-        mc.set_cuts(None)                # the default: the strategy's partition
-        replay = Replay(log_dir, ctx)
-        tuned = ModelCompiler(onnx_path, target, quantize=quantize, max_tokens=max_tokens,
-                              strategy=strategy, max_rows=max(asked), profile=profile,
-                              **replay.compiler_options)
         rep["budget_mw"] = mc.spec.profile(mc.profile).budget_mw
-        rep["phases"] = []
+        rep["phases"] = validate_programs(mc, keys, log_dir, ctx, onnx_path, quantize,
+                                          max_tokens, strategy, max(asked), profile)
+    return rep
+
+
+def validate_programs(mc, keys, log_dir, ctx, onnx_path, quantize, max_tokens, strategy,
+                      max_rows, profile) -> list:
+    """Measure each program of ``keys`` whole, with the defaults (``mc``: the strategy's
+    partition, default knobs) and as the log's replay builds it, and log both
+    (:data:`~edgetvm.tune.log.PROGRAM` records): a build with ``--log`` then builds a
+    program the tune made slower (or put over the budget beyond what the governor
+    corrects, :func:`~edgetvm.tune.measure.beyond_governor`) with the defaults. A kernel is
+    tuned beside its neighbours; a whole program's power windows and governor span
+    kernels, and only the whole program says what a step costs."""
+    from edgetvm.build.compiler import ModelCompiler
+
+    from .log import DEFAULTS, TUNED, Replay, TuningLog, program_record
+    from .measure import beyond_governor
+
+    mc.set_cuts(None)                # the default: the strategy's partition
+    replay = Replay(log_dir, ctx)
+    tuned = ModelCompiler(onnx_path, mc.spec, quantize=quantize, max_tokens=max_tokens,
+                          strategy=strategy, max_rows=max_rows, profile=profile,
+                          **dict(replay.compiler_options, untuned=()))
+    budget = mc.spec.profile(mc.profile).budget_mw
+    rows = []
+    with TuningLog(log_dir) as tlog:
         for p, r, g in keys:
+            name = f"{p}_{r}x{g}p"
             a, b = program_counters(mc, (p, r, g)), program_counters(tuned, (p, r, g))
-            rep["phases"].append(dict(
-                program=f"{p}_{r}x{g}p", default_cycles=a.total_cycles,
+            # the whole step's governor: over only where even the floor clock is
+            over = beyond_governor(b.peak_power_mw, budget, a.peak_power_mw,
+                                   b.min_clock_scale)
+            for build, c, o in ((DEFAULTS, a, False), (TUNED, b, over)):
+                tlog.append(program_record(ctx, name, replay.selection, build,
+                                           c.total_cycles, c.dram_bus_bytes,
+                                           c.peak_power_mw, over_budget=o))
+            rows.append(dict(
+                program=name, default_cycles=a.total_cycles,
                 tuned_cycles=b.total_cycles, default_peak_mw=round(a.peak_power_mw, 1),
-                tuned_peak_mw=round(b.peak_power_mw, 1),
+                tuned_peak_mw=round(b.peak_power_mw, 1), tuned_over_budget=over,
                 default_kernels=len(mc.program(p, r, g).metadata["kernels"]),
                 tuned_kernels=len(tuned.program(p, r, g).metadata["kernels"])))
-    return rep
+    untuned = Replay(log_dir, ctx).untuned     # what a build with --log builds
+    for row in rows:
+        row["replayed"] = DEFAULTS if row["program"] in untuned else TUNED
+    return rows
 
 
 def _replay(log_dir: str, ctx):
@@ -356,7 +389,8 @@ def main(argv=None) -> int:
     add_build_options(ap)
     budget = ap.add_mutually_exclusive_group(required=True)
     budget.add_argument("--trials", type=int, default=None, metavar="N",
-                        help="measurements to make in this run")
+                        help="measurements to make in this run (0: none, only the "
+                             "whole programs measured against the log, as at a tune's end)")
     budget.add_argument("--time-budget", type=float, default=None, metavar="S",
                         help="seconds to tune for")
     ap.add_argument("--phases", default=None, metavar="P1,P2",
@@ -401,8 +435,10 @@ def main(argv=None) -> int:
                     help="skip measuring the whole phase programs, default vs tuned")
     ap.add_argument("--report-json", default=None, metavar="F")
     args = parse_build_args(ap, argv)
-    if args.trials is not None and args.trials < 1:
-        ap.error("--trials must be >= 1")
+    if args.trials is not None and args.trials < 0:
+        ap.error("--trials must be >= 0")
+    if args.trials == 0 and args.no_validate:
+        ap.error("--trials 0 measures only the whole programs, which --no-validate skips")
     import math
     if args.time_budget is not None and not (math.isfinite(args.time_budget) and
                                              args.time_budget > 0):

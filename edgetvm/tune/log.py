@@ -66,6 +66,13 @@ OK, REJECTED, FAILED, OVER_BUDGET = "ok", "rejected", "failed", "over_budget"
 
 #: the kind of a record whose knobs are the cuts of a run of fusable ops, ``{"cuts": [..]}``
 PARTITION = "partition"
+#: the kind of a record that measured a whole phase program (``name``: e.g.
+#: ``decode_1x64p``) as a replay of the log builds it (``knobs``: ``{"selection": the
+#: replay's :attr:`Replay.selection`, "build": "tuned"}``) or with the defaults
+#: (``"build": "defaults"``: the strategy's partition, default knobs); written by
+#: ``edgetvm.tune`` at its end, read by :attr:`Replay.untuned`
+PROGRAM = "program"
+TUNED, DEFAULTS = "tuned", "defaults"
 
 
 class TuningLogError(EdgeTVMError):
@@ -75,6 +82,11 @@ class TuningLogError(EdgeTVMError):
 def workload_hash(kernel_key: str) -> str:
     """The workload's structural hash: SHA-256 of the kernel's structural key."""
     return hashlib.sha256(kernel_key.encode()).hexdigest()
+
+
+def program_workload(name: str) -> str:
+    """The workload hash of the whole phase program ``name`` (:data:`PROGRAM` records)."""
+    return workload_hash(f"program:{name}")
 
 
 def canonical_knobs(knobs: dict) -> str:
@@ -261,6 +273,11 @@ class TuningLog:
                             "torn" if torn else "unreadable", str(e)[:120])
         return out
 
+    def trials(self) -> list:
+        """The records of tried candidates: every record but the whole programs'
+        measurements (:data:`PROGRAM`) a tune makes at its end."""
+        return [r for r in self.records() if r.kind != PROGRAM]
+
     def matching(self, context: LogContext) -> list:
         return [r for r in self.records() if r.context == context]
 
@@ -324,10 +341,19 @@ class Replay:
 
     def __init__(self, directory: str, context: LogContext):
         tl = TuningLog(directory, create=False)
-        self.best = TuningLog.best(tl.check_context(context))
+        records = tl.check_context(context)
+        self.best = TuningLog.best([r for r in records if r.kind != PROGRAM])
         if not self.best:
             raise TuningLogError(f"tuning log {directory}: no successful measurement for "
                                  f"this build's context")
+        #: the SHA-256 of the knobs and cuts this replay chooses (every workload's best):
+        #: a whole-program measurement applies to this selection only
+        self.selection = hashlib.sha256("\n".join(sorted(
+            f"{w}:{r.knobs_key}" for w, r in self.best.items())).encode()).hexdigest()
+        #: the phase programs the log measured slower tuned than with the defaults (or
+        #: tuned over the power budget where the defaults were not), for this selection:
+        #: a replay builds them with the strategy's partition and default knobs
+        self.untuned = frozenset(_untuned(records, self.selection))
         self.used: dict = {}          # workload -> Record, the kernels replayed
 
     def __call__(self, kernel_key: str):
@@ -340,8 +366,8 @@ class Replay:
     @property
     def compiler_options(self) -> dict:
         """The :class:`~edgetvm.build.compiler.ModelCompiler` keywords that replay this
-        log: its knobs and its cuts."""
-        return dict(knobs_for=self, cuts_for=self.cuts_for)
+        log: its knobs, its cuts, and the programs it builds with the defaults."""
+        return dict(knobs_for=self, cuts_for=self.cuts_for, untuned=self.untuned)
 
     def cuts_for(self, run_key: str):
         """The logged best cuts of the run ``run_key`` (None: the log has none)."""
@@ -356,4 +382,41 @@ class Replay:
         chosen = sorted(f"{w}:{r.knobs_key}:{r.cycles}" for w, r in self.used.items())
         return {"kernels_tuned": sum(r.kind != PARTITION for r in self.used.values()),
                 "runs_cut": sum(r.kind == PARTITION for r in self.used.values()),
-                "records_sha256": hashlib.sha256("\n".join(chosen).encode()).hexdigest()}
+                "records_sha256": hashlib.sha256("\n".join(chosen).encode()).hexdigest(),
+                "programs_untuned": sorted(self.untuned)}
+
+
+def program_record(context: LogContext, name: str, selection: str, build: str,
+                   cycles: int, dram_bytes: int, peak_power_mw: float,
+                   over_budget: bool = False) -> Record:
+    """The :data:`PROGRAM` record of phase program ``name`` measured whole as replay
+    ``selection`` builds it (``build``: :data:`TUNED`) or with the defaults
+    (:data:`DEFAULTS`)."""
+    return Record(context, program_workload(name), PROGRAM, name,
+                  {"selection": selection, "build": build},
+                  OVER_BUDGET if over_budget else OK, int(cycles),
+                  dram_bytes=int(dram_bytes), peak_power_mw=round(float(peak_power_mw), 3))
+
+
+def _untuned(records: list, selection: str) -> set:
+    """The names of the programs whose latest :data:`PROGRAM` records for ``selection``
+    say the defaults are the better build: faster, or the tuned program over the budget
+    (beyond what the governor corrects) where the defaults are not."""
+    latest: dict = {}                    # (name, build) -> Record
+    for r in records:
+        if r.kind != PROGRAM or not isinstance(r.knobs, dict) or \
+                r.knobs.get("selection") != selection or r.status not in (OK, OVER_BUDGET):
+            continue
+        k = (r.name, r.knobs.get("build"))
+        cur = latest.get(k)
+        if cur is None or (r.time, -r.cycles) > (cur.time, -cur.cycles):
+            latest[k] = r
+    out = set()
+    for (name, build), tuned in latest.items():
+        defaults = latest.get((name, DEFAULTS))
+        if build != TUNED or defaults is None:
+            continue
+        if (tuned.status, defaults.status) == (OVER_BUDGET, OK) or \
+                (tuned.status == defaults.status and defaults.cycles < tuned.cycles):
+            out.add(name)
+    return out

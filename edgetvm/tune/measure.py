@@ -64,9 +64,19 @@ class Measurement:
         corrects; its cost is in the measured cycles. Peaks compare at the tuning log's
         precision (1 uW): a schedule whose timing equals the defaults' (another order of
         the same float sums) is not over a limit the defaults' peak set."""
-        peak = round(self.peak_power_mw, 3)
-        return peak > round(limit_mw, 3) and peak > round(self.neighbours_peak_mw, 3) and \
-            self.min_clock_scale <= MIN_SCALE + 1e-9
+        return beyond_governor(self.peak_power_mw, limit_mw, self.neighbours_peak_mw,
+                               self.min_clock_scale)
+
+
+def beyond_governor(peak_mw: float, limit_mw: float, baseline_mw: float,
+                    min_clock_scale: float) -> bool:
+    """Is a run peaking at ``peak_mw`` over ``limit_mw`` beyond what the governor can
+    correct (:meth:`Measurement.over_budget`): above the limit, above the peak of the run
+    it is compared with (``baseline_mw``: a baseline over on its own is not this run's
+    doing), with the clock at its floor. Peaks compare at the log's precision (1 uW)."""
+    peak = round(peak_mw, 3)
+    return peak > round(limit_mw, 3) and peak > round(baseline_mw, 3) and \
+        min_clock_scale <= MIN_SCALE + 1e-9
 
 
 @dataclass

@@ -71,13 +71,44 @@ def _check(family, strategy, chunk=None, path=None, mc=None, prompt=PROMPT):
     want, calls = greedy_loop(ref_run, names, kv, prompt, NEW_TOKENS, chunk)
     recs = _runner(mc).generate(prompt, NEW_TOKENS, chunk=chunk)
     got = [r.token for r in recs if r.token >= 0]
-    assert got == want, (family, strategy)
     assert len(recs) == len(calls)
+    if got != want:
+        # the NPU's fp16 logits cannot order a near-tie of the reference: compare every
+        # step fed the reference's tokens, a different choice allowed only where the
+        # reference's own margin is within the logits tolerance
+        _check_forced(mc, calls, prompt, want, chunk, (family, strategy))
+        return recs
     for step, (rec, call) in enumerate(zip(recs, calls)):
         ref = call["logits"][0, -1]
         diff = float(np.abs(rec.logits - ref).max())
-        assert diff <= 0.01 + 0.01 * float(np.abs(ref).max()), (family, strategy, step, diff)
+        assert diff <= _tolerance(ref), (family, strategy, step, diff)
     return recs
+
+
+def _tolerance(ref) -> float:
+    return 0.01 + 0.01 * float(np.abs(ref).max())
+
+
+def _check_forced(mc, calls, prompt, want, chunk, what):
+    """The NPU fed the reference's calls (prompt pieces, then the reference's tokens):
+    every call's logits within the tolerance, and where its choice differs, the
+    reference's top two within it too (a tie fp16 logits cannot order)."""
+    runner = _runner(mc)
+    runner.reset()
+    pieces = [list(prompt)] if chunk is None else [list(prompt[i:i + chunk])
+                                                   for i in range(0, len(prompt), chunk)]
+    feeds = pieces + [[t] for t in want[:-1]]
+    assert len(feeds) == len(calls)
+    pos = 0
+    for step, (ids, call) in enumerate(zip(feeds, calls)):
+        logits, _, _ = runner.step(ids, pos)
+        pos += len(ids)
+        ref, tol = call["logits"][0, -1], _tolerance(call["logits"][0, -1])
+        diff = float(np.abs(logits - ref).max())
+        assert diff <= tol, (*what, step, diff)
+        margin = float(ref.max() - ref[int(np.argmax(logits))])
+        assert margin <= tol, (*what, step, "chose a token the reference ranks", margin,
+                               "below its best")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,6 +1,7 @@
 """The tuner end to end on the tiny Llama: knob overrides, tasks, measurement, resume,
 failed and rejected trials, the cost model, replay into byte-identical artifacts whose
 kernels measure what the log says."""
+import dataclasses
 import json
 import math
 import pathlib
@@ -176,7 +177,7 @@ def test_tuning_improves_logs_everything_and_resumes_without_remeasuring(tuned, 
     # alone, a DMA split or a TCM-filling tile won and then lost 3-4 % once linked)
     assert all(p["tuned_cycles"] <= p["default_cycles"] for p in rep["phases"])
     assert any(p["tuned_cycles"] < p["default_cycles"] for p in rep["phases"])
-    recs = TuningLog(d).records()
+    recs = TuningLog(d).trials()
     assert len(recs) == 150 and {r.status for r in recs} <= {OK, "failed"}
     assert all(r.error.startswith("stopped") for r in recs if r.status != OK)
     ctx = recs[0].context
@@ -191,7 +192,7 @@ def test_tuning_improves_logs_everything_and_resumes_without_remeasuring(tuned, 
     import shutil
     d = shutil.copytree(d, tmp_path / "resumed")
     rep2 = tune(LLAMA, **SMALL, trials=30, log_dir=str(d), progress=False, seed=1)
-    recs2 = TuningLog(str(d)).records()
+    recs2 = TuningLog(str(d)).trials()
     assert rep2["measured"] == 30 and len(recs2) == 180
     # (a kernel measured between other neighbours, after the cut stage chose another
     # partition, is another measurement)
@@ -231,12 +232,13 @@ def test_a_later_cut_stage_starts_from_the_chosen_cuts_on_tuned_kernels(rounds, 
             assert st["measured"] <= math.ceil((200 - done) * 0.25)
         done += st["measured"]
     assert all(p["tuned_cycles"] <= p["default_cycles"] for p in rep["phases"])
-    recs = TuningLog(d).records()
+    recs = TuningLog(d).trials()
     assert REJECTED not in {r.status for r in recs}
     assert len({(r.workload, r.knobs_key, r.neighbours) for r in recs}) == len(recs)
     with open(pathlib.Path(d) / "records.jsonl") as f:
         lines = f.readlines()
-    assert len(lines) == len(recs)
+    # and one record per program of each build, defaults and tuned, from the tune's end
+    assert len(lines) == len(recs) + 2 * len(rep["phases"]) == len(TuningLog(d).records())
     ctx = log_context(LLAMA, load_spec("edge-npu-16mb"), None, None)
     emu = Emulator(load_spec("edge-npu-16mb"))
     ends = np.cumsum([st["measured"] for st in rep["stages"]])
@@ -555,6 +557,95 @@ def test_replay_builds_identical_bytes_with_the_logged_knobs_and_latency(tuned, 
     assert checked >= 12
 
 
+def test_a_program_the_log_measured_slower_tuned_is_built_with_the_defaults(tuned, tmp_path,
+                                                                           capsys):
+    """The tune measures every program whole, defaults and tuned, and logs both; a build
+    with --log builds a program whose tuned form measured slower (here: a later
+    measurement says so) with the strategy's partition and default knobs, the others as
+    tuned; a selection the measurement was not of (a new best record) is not judged."""
+    import shutil
+
+    from edgetvm.tune.cli import program_counters
+    from edgetvm.tune.log import DEFAULTS, PROGRAM, TUNED, program_record
+    from edgetvm.runtime.artifact import load_artifact, program_file
+    d0, rep = tuned
+    ctx = log_context(LLAMA, load_spec("edge-npu-16mb"), None, None)
+    # the tune's own records: both builds of every program, what the report said
+    progs = [r for r in TuningLog(d0).records() if r.kind == PROGRAM]
+    rp = Replay(d0, ctx)
+    for row in rep["phases"]:
+        mine = {r.knobs["build"]: r for r in progs if r.name == row["program"]
+                and r.knobs["selection"] == rp.selection}
+        assert mine[DEFAULTS].cycles == row["default_cycles"]
+        assert mine[TUNED].cycles == row["tuned_cycles"]
+        assert (row["program"] in rp.untuned) == (row["replayed"] == DEFAULTS) == \
+            (row["tuned_cycles"] > row["default_cycles"] or row["tuned_over_budget"])
+    d = str(tmp_path / "log")
+    shutil.copytree(d0, d)
+    row = next(r for r in rep["phases"] if r["replayed"] == TUNED and
+               r["tuned_cycles"] < r["default_cycles"])
+    victim = row["program"]
+    with TuningLog(d) as tl:
+        tl.append(program_record(ctx, victim, rp.selection, TUNED,
+                                 row["default_cycles"] + 1, 1, 1.0))
+    rp2 = Replay(d, ctx)
+    assert rp2.untuned == rp.untuned | {victim}
+    art = tmp_path / "a.npu"
+    m = build(LLAMA, str(art), **SMALL, progress=False, log_dir=d, jobs=2)
+    build(LLAMA, str(tmp_path / "plain.npu"), **SMALL, progress=False)
+    build(LLAMA, str(tmp_path / "t.npu"), **SMALL, progress=False, log_dir=d0, jobs=1)
+    assert m["tuning"]["programs_untuned"] == sorted(rp2.untuned)
+    assert build_main([LLAMA, "-o", str(tmp_path / "cli.npu"), "--buckets", "8,16",
+                       "--max-tokens", "64", "--log", d]) == 0
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "with the defaults" in ln]
+    assert len(said) == 1 and victim in said[0]
+    a, plain, t = (load_artifact(str(tmp_path / n)) for n in ("a.npu", "plain.npu", "t.npu"))
+    for key in a.keys:
+        name = f"{key[0]}_{key[1]}x{key[2]}p"
+        want = plain if name in rp2.untuned else t
+        assert a._read(program_file(key)) == want._read(program_file(key)), name
+    assert a._read(program_file(_key(victim))) != t._read(program_file(_key(victim)))
+    # built with the defaults, it measures the logged defaults' cycles
+    mc = ModelCompiler(LLAMA, max_tokens=64, max_rows=16, **rp2.compiler_options)
+    assert program_counters(mc, _key(victim)).total_cycles == row["default_cycles"]
+    # a new best kernel record: another selection, which no program record judged
+    best = next(r for r in rp.best.values() if r.kind != "partition")
+    with TuningLog(d) as tl:
+        tl.append(dataclasses.replace(best, cycles=best.cycles - 1,
+                                      knobs=dict(best.knobs, _other=1), time=best.time + 1))
+    rp3 = Replay(d, ctx)
+    assert rp3.selection != rp.selection and rp3.untuned == frozenset()
+
+
+def test_tune_with_no_trials_measures_only_the_whole_programs(tuned, tmp_path, capsys):
+    """--trials 0: no candidate, only the whole programs against the log (as at a tune's
+    end), logged again with the same cycles; an empty log is refused, not a traceback."""
+    import shutil
+
+    from edgetvm.tune.log import PROGRAM
+    d0, rep = tuned
+    d = str(tmp_path / "log")
+    shutil.copytree(d0, d)
+    before = TuningLog(d).records()
+    assert tune_main([LLAMA, "--buckets", "8,16", "--max-tokens", "64", "--phases", "decode",
+                      "--trials", "0", "--log", d, "-q"]) == 0
+    assert "whole program" in capsys.readouterr().out
+    new = TuningLog(d).records()[len(before):]
+    assert new and {r.kind for r in new} == {PROGRAM}
+    want = {(r["program"], b): r[f"{c}_cycles"] for r in rep["phases"]
+            for b, c in (("defaults", "default"), ("tuned", "tuned"))}
+    assert {(r.name, r.knobs["build"]): r.cycles for r in new} == \
+        {k: v for k, v in want.items() if k[0].startswith("decode")}
+    assert tune_main([LLAMA, "--trials", "0", "--log", str(tmp_path / "empty"), "-q"]) == 1
+    assert "no tuning records" in capsys.readouterr().err
+
+
+def _key(name: str) -> tuple:
+    phase, rest = name.split("_")
+    rows, pages = rest[:-1].split("x")
+    return phase, int(rows), int(pages)
+
+
 def test_build_refuses_a_log_of_another_profile_or_quantization(tuned, tmp_path, capsys):
     d, _ = tuned
     out = str(tmp_path / "x.npu")
@@ -607,7 +698,7 @@ def test_parallel_workers_measure_what_one_process_measures(tmp_path, mc):
     rep = tune(LLAMA, buckets=(8,), max_tokens=16, phases=["decode"], trials=24, log_dir=d,
                workers=2, progress=False, seed=5)
     assert rep["measured"] == 24
-    recs = [r for r in TuningLog(d).records() if r.status == OK]
+    recs = [r for r in TuningLog(d).trials() if r.status == OK]
     mc1, tasks = logged_tasks(LLAMA, d, [("decode", 1, 1)], max_tokens=16, max_rows=8)
     emu = Emulator(mc1.spec)
     assert {r.kind for r in recs} >= {"partition", "cluster"}
@@ -770,6 +861,25 @@ def test_the_shipped_log_of_the_bundled_example_replays():
     used = {w for w, r in replay.used.items() if r.kind != "partition"}
     assert len(used) >= 0.9 * len(knobbed)
     assert t.total_cycles <= p.total_cycles
+    # every program measured whole for this selection (tune --trials 0), each faster
+    # tuned: none is built with the defaults, not even those whose tuned peak is over
+    # the budget (the governor corrects it; its cost is in the cycles)
+    from edgetvm.tune.log import PROGRAM, TUNED
+    whole = {r.name: r for r in TuningLog(d).records() if r.kind == PROGRAM and
+             r.knobs["selection"] == replay.selection and r.knobs["build"] == TUNED}
+    assert {f"{p}_{r}x{g}p" for p, r, g in plain.phase_keys((16, 32, 64, 128, 256, 512))} \
+        <= set(whole)
+    assert whole["decode_1x64p"].cycles == t.total_cycles
+    assert any(r.peak_power_mw > 2500 for r in whole.values())
+    assert replay.untuned == frozenset()
+
+
+def test_over_the_budget_means_beyond_what_the_governor_corrects():
+    from edgetvm.tune.measure import beyond_governor
+    assert beyond_governor(800.0, 700.0, 650.0, 0.125)
+    assert not beyond_governor(800.0, 700.0, 650.0, 0.5)       # the governor still had room
+    assert not beyond_governor(800.0, 700.0, 900.0, 0.125)     # the baseline is over itself
+    assert not beyond_governor(700.0004, 700.0, 650.0, 0.125)  # within the log's precision
 
 
 def test_a_candidate_far_slower_than_the_best_is_stopped_with_a_lower_bound(mc):
@@ -1216,17 +1326,23 @@ def test_a_tune_whose_every_trial_fails_reports_why(tmp_path):
     assert rep["note"] in format_report(rep)
 
 
-def test_the_report_warns_of_a_phase_the_tune_made_slower_as_a_whole():
+def test_the_report_says_which_phase_a_build_replays_with_the_defaults():
     """Kernels measured faster beside their neighbours can add up to a slower step (under
     a binding budget the clock one kernel leaves the next is not in that measurement):
-    the report says which program, by how much, and only for that one."""
+    the report says which program a build with --log builds with the defaults, and why
+    (slower by how much, or over the budget), and only for those."""
     rep = dict(tasks=[], stages=[], measured=0, seconds=1.0, log="L", budget_mw=700.0,
-               step_cycles_default=0, step_cycles_tuned=0, phases=[dict(program="decode_1x64p", default_cycles=264_668,
-                            tuned_cycles=268_766, default_peak_mw=1624.0,
-                            tuned_peak_mw=1371.0),
-                       dict(program="prefill_128x8p", default_cycles=543_151,
-                            tuned_cycles=453_681, default_peak_mw=1681.0,
-                            tuned_peak_mw=1590.0)])
-    warnings = [ln for ln in format_report(rep).splitlines() if ln.startswith("warning")]
-    assert len(warnings) == 1
-    assert "decode_1x64p" in warnings[0] and "1.5% slower" in warnings[0]
+               step_cycles_default=0, step_cycles_tuned=0, phases=[
+                   dict(program="decode_1x64p", default_cycles=264_668, tuned_cycles=268_766,
+                        default_peak_mw=1624.0, tuned_peak_mw=1371.0, replayed="defaults"),
+                   dict(program="prefill_128x8p", default_cycles=543_151,
+                        tuned_cycles=453_681, default_peak_mw=1681.0, tuned_peak_mw=1590.0,
+                        replayed="tuned"),
+                   dict(program="prefill_16x8p", default_cycles=543_151,
+                        tuned_cycles=453_681, default_peak_mw=600.0, tuned_peak_mw=750.0,
+                        replayed="defaults")])
+    notes = [ln for ln in format_report(rep).splitlines() if ln.startswith("note")]
+    assert len(notes) == 2
+    assert "decode_1x64p" in notes[0] and "1.5% slower" in notes[0]
+    assert "prefill_16x8p" in notes[1] and "over the budget at the floor clock (750 mW)" \
+        in notes[1]

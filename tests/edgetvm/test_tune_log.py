@@ -1,5 +1,6 @@
 """The tuning log: durable one-line records, concurrent appenders, torn lines, kill -9,
 context-keyed lookup and refusals that name the key that differs."""
+import dataclasses
 import json
 import logging
 import os
@@ -217,3 +218,40 @@ def test_resume_matches_records_of_this_context_only(tmp_path):
     got = TuningLog(d).matching(CTX)
     assert [(r.name, r.cycles) for r in got] == [("k0", 500)]
     assert len(TuningLog(d).records()) == 1 + len(CONTEXT_KEYS)
+
+
+def test_program_records_decide_which_programs_a_replay_builds_with_the_defaults(tmp_path):
+    """Whole-program records of the replay's own selection decide: defaults faster, or the
+    tuned program over the budget where the defaults are not -> built with the defaults;
+    the latest record of a (program, build) counts; records of another selection (the
+    log's best knobs changed since) and program records as kernels' best are ignored."""
+    from edgetvm.tune.log import DEFAULTS, PROGRAM, TUNED, program_record
+    d = str(tmp_path / "log")
+    with TuningLog(d) as tl:
+        tl.append(rec(1, 50, workload=workload_hash("K")))
+    sel = Replay(d, CTX).selection
+
+    def prog(name, build, cycles, selection=sel, over=False, t=0.0):
+        r = program_record(CTX, name, selection, build, cycles, 10, 500.0, over_budget=over)
+        return dataclasses.replace(r, time=1000.0 + t)
+
+    with TuningLog(d) as tl:
+        for r in (prog("a", DEFAULTS, 100), prog("a", TUNED, 90),              # tuned won
+                  prog("b", DEFAULTS, 100), prog("b", TUNED, 101),             # defaults won
+                  prog("c", DEFAULTS, 100), prog("c", TUNED, 50, over=True),   # over budget
+                  prog("d", DEFAULTS, 100), prog("d", TUNED, 120),
+                  prog("d", TUNED, 95, t=1),                                   # measured again
+                  prog("e", DEFAULTS, 100), prog("e", TUNED, 120, selection="x" * 64),
+                  prog("f", TUNED, 120)):                                      # no defaults
+            tl.append(r)
+    r = Replay(d, CTX)
+    assert r.selection == sel                # program records are not kernels' best
+    assert r.untuned == {"b", "c"}
+    assert r.compiler_options["untuned"] == {"b", "c"}
+    assert r.summary()["programs_untuned"] == ["b", "c"]
+    assert r("K") == {"tile_m": 1} and PROGRAM not in {x.kind for x in r.best.values()}
+    # a new best for K: another selection, judged by none of those records
+    with TuningLog(d) as tl:
+        tl.append(rec(2, 40, workload=workload_hash("K")))
+    r = Replay(d, CTX)
+    assert r.selection != sel and r.untuned == frozenset()

@@ -39,7 +39,7 @@ def test_tracker_measures_what_a_local_run_measures(tracker, tmp_path, profile, 
                trials=24, log_dir=d, rpc_tracker=f"127.0.0.1:{tracker}", rpc_key=KEY,
                profile=profile, progress=False, seed=2, workers=workers)
     assert rep["measured"] == 24
-    recs = [r for r in TuningLog(d).records() if r.status in (OK, OVER_BUDGET)]
+    recs = [r for r in TuningLog(d).trials() if r.status in (OK, OVER_BUDGET)]
     assert len(recs) == 24
     mc, tasks = logged_tasks(LLAMA, d, [("prefill", 16, 4), ("decode", 1, 4)], profile,
                              max_tokens=64, max_rows=16)
