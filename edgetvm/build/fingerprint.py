@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 
 def file_sha256(path: str) -> str:
@@ -41,24 +42,61 @@ def external_data_files(onnx_path: str) -> list:
     return sorted(files)
 
 
+#: (path, size, mtime, ctime, inode) of each file this process hashed as a model -> (its digest,
+#: the same of its external data files): ``run model.onnx`` asks four times (the cache
+#: key, the manifest, the tuning log's context, ``--check-onnx``), a second each for
+#: SmolLM2's 540 MB
+_MODEL_HASHES: dict = {}
+RACY_NS = 2_000_000_000
+
+
 def model_sha256(onnx_path: str) -> str:
     """The identity of a model: the SHA-256 of its ONNX file, and, where it keeps weights
     in external data files, of those files too (a build of the same graph with other
-    weights is another model). Equal to :func:`file_sha256` for a self-contained file."""
+    weights is another model). Equal to :func:`file_sha256` for a self-contained file.
+    Hashed once per process while the ONNX file and its data files stay as they were."""
+    key = _stat(onnx_path)
+    hit = _MODEL_HASHES.get(key)
+    if hit is not None and all(_stat(f[0]) == f for f in hit[1]):
+        return hit[0]
+    digest, files = _model_sha256(onnx_path)
+    # a file written in the last seconds may change again within its clock's resolution
+    # with its stat unchanged (git's "racily clean" entries): not kept
+    settled = time.time_ns() - RACY_NS
+    if key is not None and key == _stat(onnx_path) and None not in files and \
+            all(f[3] < settled for f in (key, *files)):
+        _MODEL_HASHES[key] = (digest, files)
+    return digest
+
+
+def _stat(path: str):
+    """(real path, size, mtime, ctime, inode) of ``path``; None if it cannot be read.
+    (The ctime moves on every write and on every change of the mtime.)"""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def _model_sha256(onnx_path: str) -> tuple:
+    """(digest, :func:`_stat` of each external data file hashed before it was read)."""
     h = hashlib.sha256()
     if not _hash_file(h, onnx_path):
-        return h.hexdigest()
+        return h.hexdigest(), ()
     files = external_data_files(onnx_path)
     if not files:                 # the bytes happened to hold the marker: self-contained
-        return h.hexdigest()
+        return h.hexdigest(), ()
+    stats = []
     for path in files:
         if not os.path.isfile(path):
             from edgetvm.errors import ModelImportError
             raise ModelImportError(f"{onnx_path}: its weights file {path} (external data) "
                                    f"is missing")
+        stats.append(_stat(path))
         h.update(b"\0" + os.path.basename(path).encode() + b"\0")
         _hash_file(h, path)
-    return h.hexdigest()
+    return h.hexdigest(), tuple(stats)
 
 
 def compiler_fingerprint() -> str:

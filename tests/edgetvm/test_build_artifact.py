@@ -385,3 +385,30 @@ def test_refusals_name_the_option_that_would_serve(artifact, capsys):
     out = capsys.readouterr()
     assert "chunks of 4: a chunk at position 12" in out.err and "--chunk 4" in out.err
     assert "prefill" not in out.out.split("step ")[-1]          # no step ran
+
+
+def test_a_model_is_hashed_once_while_its_files_stay_as_they_were(tmp_path, monkeypatch):
+    """model_sha256 keeps a digest while the file's stat is unchanged and it was written
+    long enough ago (a file written just now may change again within the clock's
+    resolution with the same stat): hashed again after a change, and never served stale."""
+    import shutil
+
+    from edgetvm.build import fingerprint as fp
+    path = tmp_path / "m.onnx"
+    shutil.copy(LLAMA, path)
+    calls = []
+    real = fp._model_sha256
+    monkeypatch.setattr(fp, "_model_sha256", lambda p: calls.append(p) or real(p))
+    first = fp.model_sha256(str(path))
+    fp.model_sha256(str(path))
+    assert len(calls) == 2                     # just written: not kept
+    monkeypatch.setattr(fp, "RACY_NS", 0)      # (as if written long ago)
+    assert fp.model_sha256(str(path)) == first and fp.model_sha256(str(path)) == first
+    assert len(calls) == 3                     # settled: hashed once more, then kept
+    st = os.stat(path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1                              # the same size, then the same mtime again
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    assert fp.model_sha256(str(path)) != first and len(calls) == 4
