@@ -21,5 +21,8 @@ def test_ci_runs_the_readme_quick_start():
     assert "edgetvm.tune" in cmds[2] and "edgetvm.build" in cmds[2] and \
         "edgetvm.run" in cmds[2]
     ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "set -euo pipefail" in ci
     for cmd in cmds:
-        assert cmd in ci, f"README's {cmd!r} is not what .ci/run runs"
+        # `set -e` does not stop at a failure inside an && list: such a line must say so
+        want = cmd + " || exit 1" if "&&" in cmd else cmd
+        assert want in ci, f"README's {cmd!r} is not what .ci/run runs (as {want!r})"

@@ -53,6 +53,7 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
     from edgetvm.build.compiler import ModelCompiler
     from edgetvm.build.package import write_artifact
     from edgetvm.build.workers import compile_programs, default_jobs
+    from edgetvm.runtime.model import program_name
 
     check_input_file(onnx_path)
     t0 = time.time()
@@ -97,7 +98,8 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
         "w4_linears": mc.quant_report.w4_linears if mc.quant_report else None,
     }
     if replay is not None:
-        manifest["tuning"] = replay.summary()
+        manifest["tuning"] = dict(replay.summary(), programs_untuned=sorted(
+            program_name(k) for k in keys if mc.builds_defaults(*k)))
     full = write_artifact(output, programs, manifest, pack)
     full["build_seconds"] = time.time() - t0
     return full
@@ -260,7 +262,8 @@ def main(argv=None) -> int:
         print(f"replayed {args.log}: tuned knobs for {m['tuning']['kernels_tuned']} kernels"
               f", tuned cuts for {m['tuning']['runs_cut']} runs of fusable ops")
         if m["tuning"]["programs_untuned"]:
-            print(f"  built with the defaults (the log measured them slower tuned): "
+            print(f"  built with the defaults (the log measured them better so, as whole "
+                  f"programs): "
                   f"{', '.join(m['tuning']['programs_untuned'])}")
     print(f"DRAM: {m['weights']['bytes'] / 1e6:.1f} MB weights + {arena / 1e6:.2f} MB "
           f"activation arena (high-water, slots reused by lifetime) + {kv / 1e6:.2f} MB KV "

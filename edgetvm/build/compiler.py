@@ -13,6 +13,7 @@ for prefill, ``last_row`` (the row whose logits are returned).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -25,6 +26,7 @@ from edgetvm.npu_regions import offloadable, unsound_offloads
 from edgetvm.offload import offload_regions
 from edgetvm.relax_passes import AnnotateLLMSemantics, QuantizeW4A16
 from edgetvm.relax_passes.partition import STRATEGIES, partition
+from edgetvm.runtime.model import program_name
 from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules.kv_cache import PAGE_TOKENS, KVCacheLayout
 
@@ -45,14 +47,15 @@ class ModelCompiler:
     def __init__(self, onnx_path, spec="edge-npu-16mb", *, quantize=None, max_tokens=None,
                  strategy: str = "regions", max_rows: int = 512, shape_overrides=None,
                  profile: str | None = None, knobs_for=None, cuts_for=None,
-                 untuned=()):
+                 defaults_for=None):
         """``knobs_for(kernel key) -> knobs or None``: the knobs each kernel is lowered
         with instead of the defaults; ``cuts_for(run key) -> cuts or None``: the kernel
         boundaries of each run of fusable ops instead of the strategy's
-        (:mod:`edgetvm.build.cuts`); ``untuned``: the names of the phase programs
-        (``decode_1x64p``) built with neither, the strategy's partition and default
-        knobs (those a tuning log measured slower tuned). All three are a tuning log's
-        replay (:class:`edgetvm.tune.log.Replay`)."""
+        (:mod:`edgetvm.build.cuts`); ``defaults_for(program name, build identity) ->
+        bool``: whether a phase program (``decode_1x64p``, built by a compiler of
+        :meth:`build_identity`) is built with neither, the strategy's partition and
+        default knobs (the tuning log measured it slower tuned). All three are a tuning
+        log's replay (:class:`edgetvm.tune.log.Replay`)."""
         if strategy not in STRATEGIES:
             raise BuildError(f"unknown fusion strategy {strategy!r}; known: "
                              f"{', '.join(STRATEGIES)}")
@@ -62,7 +65,7 @@ class ModelCompiler:
         self._searches: dict = {}
         self._knobs_for = knobs_for
         self.cuts_for = cuts_for
-        self.untuned = frozenset(untuned)
+        self.defaults_for = defaults_for
         self.prefetch = True             # cross-kernel weight prefetch (link.py)
         self.max_rows = int(max_rows)
         t0 = time.time()
@@ -185,23 +188,30 @@ class ModelCompiler:
         self._graphs[key] = g
         return g
 
-    def fits(self, graph, group) -> bool:
-        """Does the kernel of this group fit the TCM with some default schedule?"""
+    def fits(self, graph, group, kernels=None) -> bool:
+        """Does the kernel of this group fit the TCM (lowered by ``kernels``, default
+        :attr:`kernels`: with the replayed knobs, else the defaults)?"""
         try:
-            self.kernels.kernel(graph, group)
+            (kernels or self.kernels).kernel(graph, group)
             return True
         except BuildError:
             return False
 
-    def search(self, profile: str | None = None):
+    def search(self, profile: str | None = None, defaults: bool = False):
         """The measured cut-point search of ``edgellm`` under ``profile`` (default: the
-        compiler's); one per profile, its measurements shared by every phase and bucket."""
+        compiler's); one per profile, its measurements shared by every phase and bucket
+        (``defaults``: of kernels lowered with default knobs, not the replayed ones)."""
         from .search import SegmentSearch
         profile = self.spec.profile(profile or self.profile).name
-        if profile not in self._searches:
-            self._searches[profile] = SegmentSearch(self.kernels, self.spec, profile,
-                                                    link=self.link)
-        return self._searches[profile]
+        if (profile, defaults) not in self._searches:
+            kernels = self._builder(defaults)
+            self._searches[profile, defaults] = SegmentSearch(
+                kernels, self.spec, profile, link=functools.partial(self.link, kernels=kernels))
+        return self._searches[profile, defaults]
+
+    def _builder(self, defaults: bool):
+        """The kernel builder: :attr:`kernels`, or it lowering with default knobs."""
+        return self.kernels.without_replay() if defaults else self.kernels
 
     def partition(self, graph, strategy: str | None = None, profile: str | None = None):
         """The op groups of ``graph`` under ``strategy`` (default: the compiler's), with
@@ -211,24 +221,51 @@ class ModelCompiler:
             apply_cuts(graph, groups, self.cuts_for)
 
     def strategy_partition(self, graph, strategy: str | None = None,
-                           profile: str | None = None):
+                           profile: str | None = None, defaults: bool = False):
         """The op groups of ``graph`` under ``strategy`` alone (computed once per graph,
-        strategy and profile: ``edgellm``'s is a search)."""
-        key = (id(graph), strategy or self.strategy, profile)
+        strategy and profile: ``edgellm``'s is a search; ``defaults``: what fits and what
+        the search measures lowered with default knobs, as a compiler without a tuning
+        log has it)."""
+        key = (id(graph), strategy or self.strategy, profile, defaults)
         hit = self._partitions.get(key)
         if hit is None or hit[0] is not graph:   # (the graph is held: its id stays its own)
-            hit = (graph, partition(graph, strategy or self.strategy,
-                                    fits=lambda grp: self.fits(graph, grp),
-                                    search=lambda gr: self.search(profile).partition(gr)))
+            kernels = self._builder(defaults)
+            hit = (graph, partition(
+                graph, strategy or self.strategy,
+                fits=lambda grp: self.fits(graph, grp, kernels),
+                search=lambda gr: self.search(profile, defaults).partition(gr)))
             self._partitions[key] = hit
         return [list(g) for g in hit[1]]
 
+    def build_identity(self, strategy: str | None = None) -> dict:
+        """What, beside the tuning log's context and knobs, makes a phase program of this
+        compiler what it is: the strategy, the KV capacity and the largest bucket (its
+        position tables). A whole-program measurement holds for this identity only."""
+        return {"strategy": strategy or self.strategy, "max_tokens": self.max_tokens,
+                "max_rows": self.max_rows}
+
+    def builds_defaults(self, phase: str, rows: int, pages: int,
+                        strategy: str | None = None) -> bool:
+        """Is program (phase, rows, pages) built with the strategy's partition and
+        default knobs: the replayed log measured it faster so (:attr:`defaults_for`)?"""
+        return self.defaults_for is not None and bool(self.defaults_for(
+            program_name((phase, rows, pages)), self.build_identity(strategy)))
+
+    def groups(self, phase: str, rows: int, pages: int, strategy: str | None = None):
+        """The partition :meth:`program` links: the strategy's, with the log's cuts, or
+        alone where :meth:`builds_defaults`."""
+        g = self.graph(phase, rows, pages)
+        if self.builds_defaults(phase, rows, pages, strategy):
+            return self.strategy_partition(g, strategy, defaults=True)
+        return self.partition(g, strategy)
+
     def replay(self, replay) -> None:
         """Build from now on as the tuning log's ``replay`` says
-        (:attr:`edgetvm.tune.log.Replay.compiler_options`: knobs, cuts, untuned programs)."""
+        (:attr:`edgetvm.tune.log.Replay.compiler_options`: knobs, cuts, and the programs
+        built with the defaults)."""
         opts = replay.compiler_options
         self.knobs_for = opts["knobs_for"]
-        self.untuned = frozenset(opts["untuned"])
+        self.defaults_for = opts["defaults_for"]
         self.set_cuts(opts["cuts_for"])
 
     def set_cuts(self, cuts_for) -> None:
@@ -248,16 +285,12 @@ class ModelCompiler:
         if rows > self.max_rows:
             raise BuildError(f"{rows} rows is over the largest bucket ({self.max_rows})")
         g = self.graph(phase, rows, pages)
-        name = f"{phase}_{rows}x{pages}p"
-        if name in self.untuned:          # the log measured it faster untuned
-            if groups is None:
-                groups = self.strategy_partition(g, strategy)
-            program = self.link(g, groups, name, kernels=self.kernels.without_replay(),
-                                strategy=strategy)
-        else:
-            if groups is None:
-                groups = self.partition(g, strategy)
-            program = self.link(g, groups, name, strategy=strategy)
+        # the log measured it faster with the defaults (only for its own partition)
+        defaults = groups is None and self.builds_defaults(phase, rows, pages, strategy)
+        if groups is None:
+            groups = self.groups(phase, rows, pages, strategy)
+        program = self.link(g, groups, program_name((phase, rows, pages)),
+                            kernels=self._builder(defaults), strategy=strategy)
         if cache:
             self._linked[key] = program
         return program

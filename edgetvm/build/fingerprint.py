@@ -42,8 +42,8 @@ def external_data_files(onnx_path: str) -> list:
     return sorted(files)
 
 
-#: (path, size, mtime, ctime, inode) of each file this process hashed as a model -> (its digest,
-#: the same of its external data files): ``run model.onnx`` asks four times (the cache
+#: :func:`_stat` of each file this process hashed as a model -> (its digest, the same of
+#: its external data files): ``run model.onnx`` asks four times (the cache
 #: key, the manifest, the tuning log's context, ``--check-onnx``), a second each for
 #: SmolLM2's 540 MB
 _MODEL_HASHES: dict = {}
@@ -64,19 +64,21 @@ def model_sha256(onnx_path: str) -> str:
     # with its stat unchanged (git's "racily clean" entries): not kept
     settled = time.time_ns() - RACY_NS
     if key is not None and key == _stat(onnx_path) and None not in files and \
-            all(f[3] < settled for f in (key, *files)):
+            all(f[4] < settled for f in (key, *files)):
         _MODEL_HASHES[key] = (digest, files)
     return digest
 
 
 def _stat(path: str):
-    """(real path, size, mtime, ctime, inode) of ``path``; None if it cannot be read.
-    (The ctime moves on every write and on every change of the mtime.)"""
+    """(path as named, the file it resolves to, size, mtime, ctime, inode) of ``path``;
+    None if it cannot be read. (The ctime moves on every write and on every change of
+    the mtime; a symbolic link pointed elsewhere changes the file it resolves to.)"""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+    return (os.path.abspath(path), os.path.realpath(path), st.st_size, st.st_mtime_ns,
+            st.st_ctime_ns, st.st_ino)
 
 
 def _model_sha256(onnx_path: str) -> tuple:

@@ -61,7 +61,7 @@ def compile_programs(mc, keys, jobs: int = 1, on_done=None):
                 on_done(key)
         return encoded, pack
     for key in keys:                     # graphs and partitions: made once, inherited
-        mc.partition(mc.graph(*key))
+        mc.groups(*key)
     global _FORKED
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed

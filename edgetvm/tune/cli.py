@@ -11,6 +11,7 @@ import sys
 from edgetvm import interrupt
 from edgetvm.collector import fewer_collections
 from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
+from edgetvm.runtime.model import program_name
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "examples", "llama_tiny_with_past.onnx")
@@ -32,7 +33,7 @@ def select_keys(keys: list, phases) -> list:
     ``decode``, or program names, e.g. ``prefill_16x1p``)."""
     if not phases:
         return list(keys)
-    names = {f"{p}_{r}x{g}p": (p, r, g) for p, r, g in keys}
+    names = {program_name(k): k for k in keys}
     out = []
     for want in phases:
         hit = [k for k in keys if k[0] == want] or ([names[want]] if want in names else [])
@@ -168,7 +169,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
             if not tasks:
                 if kinds is not None and cuts:
                     break                # only the cut points were asked for
-                names = ", ".join(f"{p}_{r}x{g}p" for p, r, g in keys)
+                names = ", ".join(program_name(k) for k in keys)
                 raise EdgeTVMError(f"--kinds: the programs {names} have no kernel of kind "
                                    f"{', '.join(sorted(kinds))}")
             reps.append(stage(tasks, "tiles" + suffix, left(), None if last else stall))
@@ -176,7 +177,7 @@ def tune(onnx_path: str, *, target="edge-npu-16mb", profile=None, strategy="regi
                 break                    # the budget is spent, or every space exhausted
     rep = _merge(reps, time.time() - t_start)
     rep.setdefault("log", tlog.path)     # (--trials 0: no stage ran)
-    rep["programs"] = [f"{p}_{r}x{g}p" for p, r, g in keys]
+    rep["programs"] = [program_name(k) for k in keys]
     rep["context"] = ctx.as_dict()
     failed = sum(t.get("failed", 0) for t in rep["tasks"])
     if not _replay(log_dir, ctx) and failed:
@@ -205,36 +206,41 @@ def validate_programs(mc, keys, log_dir, ctx, onnx_path, quantize, max_tokens, s
     kernels, and only the whole program says what a step costs."""
     from edgetvm.build.compiler import ModelCompiler
 
-    from .log import DEFAULTS, TUNED, Replay, TuningLog, program_record
+    from .log import (DEFAULTS, TUNED, Replay, TuningLog, defaults_win, program_record,
+                      program_workload)
     from .measure import beyond_governor
 
     mc.set_cuts(None)                # the default: the strategy's partition
     replay = Replay(log_dir, ctx)
     tuned = ModelCompiler(onnx_path, mc.spec, quantize=quantize, max_tokens=max_tokens,
                           strategy=strategy, max_rows=max_rows, profile=profile,
-                          **dict(replay.compiler_options, untuned=()))
+                          **dict(replay.compiler_options, defaults_for=None))
+    identity = tuned.build_identity()
+    assert identity == mc.build_identity(), (identity, mc.build_identity())
     budget = mc.spec.profile(mc.profile).budget_mw
-    rows = []
+    rows, written = [], []
     with TuningLog(log_dir) as tlog:
-        for p, r, g in keys:
-            name = f"{p}_{r}x{g}p"
-            a, b = program_counters(mc, (p, r, g)), program_counters(tuned, (p, r, g))
+        for key in keys:
+            name = program_name(key)
+            a, b = program_counters(mc, key), program_counters(tuned, key)
             # the whole step's governor: over only where even the floor clock is
             over = beyond_governor(b.peak_power_mw, budget, a.peak_power_mw,
                                    b.min_clock_scale)
             for build, c, o in ((DEFAULTS, a, False), (TUNED, b, over)):
-                tlog.append(program_record(ctx, name, replay.selection, build,
-                                           c.total_cycles, c.dram_bus_bytes,
-                                           c.peak_power_mw, over_budget=o))
+                written.append(program_record(ctx, name, identity, replay.selection, build,
+                                              c.total_cycles, c.dram_bus_bytes,
+                                              c.peak_power_mw, over_budget=o))
+                tlog.append(written[-1])
             rows.append(dict(
                 program=name, default_cycles=a.total_cycles,
                 tuned_cycles=b.total_cycles, default_peak_mw=round(a.peak_power_mw, 1),
                 tuned_peak_mw=round(b.peak_power_mw, 1), tuned_over_budget=over,
-                default_kernels=len(mc.program(p, r, g).metadata["kernels"]),
-                tuned_kernels=len(tuned.program(p, r, g).metadata["kernels"])))
-    untuned = Replay(log_dir, ctx).untuned     # what a build with --log builds
+                default_kernels=len(mc.program(*key).metadata["kernels"]),
+                tuned_kernels=len(tuned.program(*key).metadata["kernels"])))
+    wins = defaults_win(written, replay.selection)      # what a build with --log builds
     for row in rows:
-        row["replayed"] = DEFAULTS if row["program"] in untuned else TUNED
+        row["replayed"] = DEFAULTS if program_workload(row["program"], identity) in wins \
+            else TUNED
     return rows
 
 

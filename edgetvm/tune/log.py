@@ -67,10 +67,11 @@ OK, REJECTED, FAILED, OVER_BUDGET = "ok", "rejected", "failed", "over_budget"
 #: the kind of a record whose knobs are the cuts of a run of fusable ops, ``{"cuts": [..]}``
 PARTITION = "partition"
 #: the kind of a record that measured a whole phase program (``name``: e.g.
-#: ``decode_1x64p``) as a replay of the log builds it (``knobs``: ``{"selection": the
-#: replay's :attr:`Replay.selection`, "build": "tuned"}``) or with the defaults
-#: (``"build": "defaults"``: the strategy's partition, default knobs); written by
-#: ``edgetvm.tune`` at its end, read by :attr:`Replay.untuned`
+#: ``decode_1x64p``; ``workload``: :func:`program_workload` of it and the compiler's
+#: ``build_identity``) as a replay of the log builds it (``knobs``: ``{"selection": the
+#: replay's :attr:`Replay.selection`, "build": "tuned", **identity}``) or with the
+#: defaults (``"build": "defaults"``: the strategy's partition, default knobs); written
+#: by ``edgetvm.tune`` at its end, read by :meth:`Replay.builds_defaults`
 PROGRAM = "program"
 TUNED, DEFAULTS = "tuned", "defaults"
 
@@ -84,9 +85,11 @@ def workload_hash(kernel_key: str) -> str:
     return hashlib.sha256(kernel_key.encode()).hexdigest()
 
 
-def program_workload(name: str) -> str:
-    """The workload hash of the whole phase program ``name`` (:data:`PROGRAM` records)."""
-    return workload_hash(f"program:{name}")
+def program_workload(name: str, identity: dict) -> str:
+    """The workload hash of the whole phase program ``name`` of a compiler whose
+    ``build_identity()`` is ``identity`` (strategy, KV capacity, largest bucket):
+    :data:`PROGRAM` records."""
+    return workload_hash(f"program:{name}:{canonical_knobs(identity)}")
 
 
 def canonical_knobs(knobs: dict) -> str:
@@ -350,10 +353,10 @@ class Replay:
         #: a whole-program measurement applies to this selection only
         self.selection = hashlib.sha256("\n".join(sorted(
             f"{w}:{r.knobs_key}" for w, r in self.best.items())).encode()).hexdigest()
-        #: the phase programs the log measured slower tuned than with the defaults (or
-        #: tuned over the power budget where the defaults were not), for this selection:
-        #: a replay builds them with the strategy's partition and default knobs
-        self.untuned = frozenset(_untuned(records, self.selection))
+        #: the workloads (:func:`program_workload`) of the phase programs the log
+        #: measured slower tuned than with the defaults (or tuned over the power budget
+        #: where the defaults were not), for this selection: :meth:`builds_defaults`
+        self.defaults_win = frozenset(defaults_win(records, self.selection))
         self.used: dict = {}          # workload -> Record, the kernels replayed
 
     def __call__(self, kernel_key: str):
@@ -367,7 +370,12 @@ class Replay:
     def compiler_options(self) -> dict:
         """The :class:`~edgetvm.build.compiler.ModelCompiler` keywords that replay this
         log: its knobs, its cuts, and the programs it builds with the defaults."""
-        return dict(knobs_for=self, cuts_for=self.cuts_for, untuned=self.untuned)
+        return dict(knobs_for=self, cuts_for=self.cuts_for, defaults_for=self.builds_defaults)
+
+    def builds_defaults(self, name: str, identity: dict) -> bool:
+        """Did the log measure program ``name`` of a compiler of ``identity`` (its
+        ``build_identity()``) faster with the defaults, for this replay's selection?"""
+        return program_workload(name, identity) in self.defaults_win
 
     def cuts_for(self, run_key: str):
         """The logged best cuts of the run ``run_key`` (None: the log has none)."""
@@ -382,41 +390,40 @@ class Replay:
         chosen = sorted(f"{w}:{r.knobs_key}:{r.cycles}" for w, r in self.used.items())
         return {"kernels_tuned": sum(r.kind != PARTITION for r in self.used.values()),
                 "runs_cut": sum(r.kind == PARTITION for r in self.used.values()),
-                "records_sha256": hashlib.sha256("\n".join(chosen).encode()).hexdigest(),
-                "programs_untuned": sorted(self.untuned)}
+                "records_sha256": hashlib.sha256("\n".join(chosen).encode()).hexdigest()}
 
 
-def program_record(context: LogContext, name: str, selection: str, build: str,
-                   cycles: int, dram_bytes: int, peak_power_mw: float,
+def program_record(context: LogContext, name: str, identity: dict, selection: str,
+                   build: str, cycles: int, dram_bytes: int, peak_power_mw: float,
                    over_budget: bool = False) -> Record:
-    """The :data:`PROGRAM` record of phase program ``name`` measured whole as replay
-    ``selection`` builds it (``build``: :data:`TUNED`) or with the defaults
-    (:data:`DEFAULTS`)."""
-    return Record(context, program_workload(name), PROGRAM, name,
-                  {"selection": selection, "build": build},
+    """The :data:`PROGRAM` record of phase program ``name`` of a compiler of
+    ``identity`` measured whole as replay ``selection`` builds it (``build``:
+    :data:`TUNED`) or with the defaults (:data:`DEFAULTS`)."""
+    return Record(context, program_workload(name, identity), PROGRAM, name,
+                  {"selection": selection, "build": build, **identity},
                   OVER_BUDGET if over_budget else OK, int(cycles),
                   dram_bytes=int(dram_bytes), peak_power_mw=round(float(peak_power_mw), 3))
 
 
-def _untuned(records: list, selection: str) -> set:
-    """The names of the programs whose latest :data:`PROGRAM` records for ``selection``
-    say the defaults are the better build: faster, or the tuned program over the budget
-    (beyond what the governor corrects) where the defaults are not."""
+def defaults_win(records: list, selection: str) -> set:
+    """The workloads of the programs whose latest :data:`PROGRAM` records for
+    ``selection`` say the defaults are the better build: faster, or the tuned program
+    over the budget (beyond what the governor corrects) where the defaults are not."""
     latest: dict = {}                    # (name, build) -> Record
     for r in records:
         if r.kind != PROGRAM or not isinstance(r.knobs, dict) or \
                 r.knobs.get("selection") != selection or r.status not in (OK, OVER_BUDGET):
             continue
-        k = (r.name, r.knobs.get("build"))
+        k = (r.workload, r.knobs.get("build"))
         cur = latest.get(k)
         if cur is None or (r.time, -r.cycles) > (cur.time, -cur.cycles):
             latest[k] = r
     out = set()
-    for (name, build), tuned in latest.items():
-        defaults = latest.get((name, DEFAULTS))
+    for (workload, build), tuned in latest.items():
+        defaults = latest.get((workload, DEFAULTS))
         if build != TUNED or defaults is None:
             continue
         if (tuned.status, defaults.status) == (OVER_BUDGET, OK) or \
                 (tuned.status == defaults.status and defaults.cycles < tuned.cycles):
-            out.add(name)
+            out.add(workload)
     return out

@@ -412,3 +412,11 @@ def test_a_model_is_hashed_once_while_its_files_stay_as_they_were(tmp_path, monk
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
     assert fp.model_sha256(str(path)) != first and len(calls) == 4
+    # a symbolic link pointed at another file is another model
+    link, other = tmp_path / "link.onnx", tmp_path / "other.onnx"
+    shutil.copy(LLAMA, other)
+    link.symlink_to(path)
+    assert fp.model_sha256(str(link)) == fp.model_sha256(str(path))
+    link.unlink()
+    link.symlink_to(other)
+    assert fp.model_sha256(str(link)) == fp.file_sha256(str(other)) == fp.file_sha256(LLAMA)

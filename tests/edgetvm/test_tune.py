@@ -562,23 +562,32 @@ def test_a_program_the_log_measured_slower_tuned_is_built_with_the_defaults(tune
     """The tune measures every program whole, defaults and tuned, and logs both; a build
     with --log builds a program whose tuned form measured slower (here: a later
     measurement says so) with the strategy's partition and default knobs, the others as
-    tuned; a selection the measurement was not of (a new best record) is not judged."""
+    tuned, the same bytes whatever -j; a build of another strategy, or a selection the
+    measurement was not of (a new best record), is not judged by it."""
     import shutil
 
+    from edgetvm.runtime.artifact import load_artifact, program_file
+    from edgetvm.runtime.model import program_name
     from edgetvm.tune.cli import program_counters
     from edgetvm.tune.log import DEFAULTS, PROGRAM, TUNED, program_record
-    from edgetvm.runtime.artifact import load_artifact, program_file
     d0, rep = tuned
     ctx = log_context(LLAMA, load_spec("edge-npu-16mb"), None, None)
+    ident = {"strategy": "regions", "max_tokens": 64, "max_rows": 16}    # SMALL's build
+    names = [r["program"] for r in rep["phases"]]
+
+    def untuned(rp, identity=ident):
+        return {n for n in names if rp.builds_defaults(n, identity)}
+
     # the tune's own records: both builds of every program, what the report said
     progs = [r for r in TuningLog(d0).records() if r.kind == PROGRAM]
     rp = Replay(d0, ctx)
     for row in rep["phases"]:
         mine = {r.knobs["build"]: r for r in progs if r.name == row["program"]
                 and r.knobs["selection"] == rp.selection}
+        assert {k: mine[TUNED].knobs[k] for k in ident} == ident
         assert mine[DEFAULTS].cycles == row["default_cycles"]
         assert mine[TUNED].cycles == row["tuned_cycles"]
-        assert (row["program"] in rp.untuned) == (row["replayed"] == DEFAULTS) == \
+        assert (row["program"] in untuned(rp)) == (row["replayed"] == DEFAULTS) == \
             (row["tuned_cycles"] > row["default_cycles"] or row["tuned_over_budget"])
     d = str(tmp_path / "log")
     shutil.copytree(d0, d)
@@ -586,35 +595,39 @@ def test_a_program_the_log_measured_slower_tuned_is_built_with_the_defaults(tune
                r["tuned_cycles"] < r["default_cycles"])
     victim = row["program"]
     with TuningLog(d) as tl:
-        tl.append(program_record(ctx, victim, rp.selection, TUNED,
+        tl.append(program_record(ctx, victim, ident, rp.selection, TUNED,
                                  row["default_cycles"] + 1, 1, 1.0))
     rp2 = Replay(d, ctx)
-    assert rp2.untuned == rp.untuned | {victim}
+    assert untuned(rp2) == untuned(rp) | {victim}
+    assert untuned(rp2, dict(ident, strategy="mega")) == set()
     art = tmp_path / "a.npu"
     m = build(LLAMA, str(art), **SMALL, progress=False, log_dir=d, jobs=2)
+    build(LLAMA, str(tmp_path / "a1.npu"), **SMALL, progress=False, log_dir=d, jobs=1)
+    assert art.read_bytes() == (tmp_path / "a1.npu").read_bytes()       # whatever -j
     build(LLAMA, str(tmp_path / "plain.npu"), **SMALL, progress=False)
     build(LLAMA, str(tmp_path / "t.npu"), **SMALL, progress=False, log_dir=d0, jobs=1)
-    assert m["tuning"]["programs_untuned"] == sorted(rp2.untuned)
+    assert m["tuning"]["programs_untuned"] == sorted(untuned(rp2))
     assert build_main([LLAMA, "-o", str(tmp_path / "cli.npu"), "--buckets", "8,16",
                        "--max-tokens", "64", "--log", d]) == 0
     said = [ln for ln in capsys.readouterr().out.splitlines() if "with the defaults" in ln]
     assert len(said) == 1 and victim in said[0]
     a, plain, t = (load_artifact(str(tmp_path / n)) for n in ("a.npu", "plain.npu", "t.npu"))
-    for key in a.keys:
-        name = f"{key[0]}_{key[1]}x{key[2]}p"
-        want = plain if name in rp2.untuned else t
+    keys = {program_name(k): k for k in a.keys}
+    for name, key in keys.items():
+        want = plain if name in untuned(rp2) else t
         assert a._read(program_file(key)) == want._read(program_file(key)), name
-    assert a._read(program_file(_key(victim))) != t._read(program_file(_key(victim)))
+    assert a._read(program_file(keys[victim])) != t._read(program_file(keys[victim]))
     # built with the defaults, it measures the logged defaults' cycles
     mc = ModelCompiler(LLAMA, max_tokens=64, max_rows=16, **rp2.compiler_options)
-    assert program_counters(mc, _key(victim)).total_cycles == row["default_cycles"]
+    assert mc.build_identity() == ident
+    assert program_counters(mc, keys[victim]).total_cycles == row["default_cycles"]
     # a new best kernel record: another selection, which no program record judged
     best = next(r for r in rp.best.values() if r.kind != "partition")
     with TuningLog(d) as tl:
         tl.append(dataclasses.replace(best, cycles=best.cycles - 1,
                                       knobs=dict(best.knobs, _other=1), time=best.time + 1))
     rp3 = Replay(d, ctx)
-    assert rp3.selection != rp.selection and rp3.untuned == frozenset()
+    assert rp3.selection != rp.selection and untuned(rp3) == set()
 
 
 def test_tune_with_no_trials_measures_only_the_whole_programs(tuned, tmp_path, capsys):
@@ -638,12 +651,6 @@ def test_tune_with_no_trials_measures_only_the_whole_programs(tuned, tmp_path, c
         {k: v for k, v in want.items() if k[0].startswith("decode")}
     assert tune_main([LLAMA, "--trials", "0", "--log", str(tmp_path / "empty"), "-q"]) == 1
     assert "no tuning records" in capsys.readouterr().err
-
-
-def _key(name: str) -> tuple:
-    phase, rest = name.split("_")
-    rows, pages = rest[:-1].split("x")
-    return phase, int(rows), int(pages)
 
 
 def test_build_refuses_a_log_of_another_profile_or_quantization(tuned, tmp_path, capsys):
@@ -871,7 +878,10 @@ def test_the_shipped_log_of_the_bundled_example_replays():
         <= set(whole)
     assert whole["decode_1x64p"].cycles == t.total_cycles
     assert any(r.peak_power_mw > 2500 for r in whole.values())
-    assert replay.untuned == frozenset()
+    ident = {k: whole["decode_1x64p"].knobs[k] for k in ("strategy", "max_tokens",
+                                                          "max_rows")}
+    assert ident == dict(plain.build_identity(), max_rows=512)   # the tune's: every bucket
+    assert not any(replay.builds_defaults(n, ident) for n in whole)
 
 
 def test_over_the_budget_means_beyond_what_the_governor_corrects():

@@ -221,18 +221,23 @@ def test_resume_matches_records_of_this_context_only(tmp_path):
 
 
 def test_program_records_decide_which_programs_a_replay_builds_with_the_defaults(tmp_path):
-    """Whole-program records of the replay's own selection decide: defaults faster, or the
-    tuned program over the budget where the defaults are not -> built with the defaults;
-    the latest record of a (program, build) counts; records of another selection (the
-    log's best knobs changed since) and program records as kernels' best are ignored."""
+    """Whole-program records of the replay's own selection and of the building compiler's
+    identity decide: defaults faster, or the tuned program over the budget where the
+    defaults are not -> built with the defaults; the latest record of a (program, build)
+    counts; records of another selection (the log's best knobs changed since), of another
+    identity (strategy, KV capacity, largest bucket) and program records as kernels' best
+    are ignored."""
     from edgetvm.tune.log import DEFAULTS, PROGRAM, TUNED, program_record
     d = str(tmp_path / "log")
     with TuningLog(d) as tl:
         tl.append(rec(1, 50, workload=workload_hash("K")))
     sel = Replay(d, CTX).selection
+    ident = {"strategy": "local", "max_tokens": 1024, "max_rows": 512}
+    other = dict(ident, strategy="regions")
 
-    def prog(name, build, cycles, selection=sel, over=False, t=0.0):
-        r = program_record(CTX, name, selection, build, cycles, 10, 500.0, over_budget=over)
+    def prog(name, build, cycles, selection=sel, over=False, t=0.0, identity=ident):
+        r = program_record(CTX, name, identity, selection, build, cycles, 10, 500.0,
+                           over_budget=over)
         return dataclasses.replace(r, time=1000.0 + t)
 
     with TuningLog(d) as tl:
@@ -242,16 +247,19 @@ def test_program_records_decide_which_programs_a_replay_builds_with_the_defaults
                   prog("d", DEFAULTS, 100), prog("d", TUNED, 120),
                   prog("d", TUNED, 95, t=1),                                   # measured again
                   prog("e", DEFAULTS, 100), prog("e", TUNED, 120, selection="x" * 64),
-                  prog("f", TUNED, 120)):                                      # no defaults
+                  prog("f", TUNED, 120),                                       # no defaults
+                  prog("a", DEFAULTS, 100, identity=other),
+                  prog("a", TUNED, 120, identity=other)):
             tl.append(r)
     r = Replay(d, CTX)
     assert r.selection == sel                # program records are not kernels' best
-    assert r.untuned == {"b", "c"}
-    assert r.compiler_options["untuned"] == {"b", "c"}
-    assert r.summary()["programs_untuned"] == ["b", "c"]
+    names = "abcdef"
+    assert [n for n in names if r.builds_defaults(n, ident)] == ["b", "c"]
+    assert [n for n in names if r.builds_defaults(n, other)] == ["a"]
+    assert r.compiler_options["defaults_for"]("b", ident)
     assert r("K") == {"tile_m": 1} and PROGRAM not in {x.kind for x in r.best.values()}
     # a new best for K: another selection, judged by none of those records
     with TuningLog(d) as tl:
         tl.append(rec(2, 40, workload=workload_hash("K")))
     r = Replay(d, CTX)
-    assert r.selection != sel and r.untuned == frozenset()
+    assert r.selection != sel and not any(r.builds_defaults(n, ident) for n in names)
