@@ -409,7 +409,7 @@ def defaults_win(records: list, selection: str) -> set:
     """The workloads of the programs whose latest :data:`PROGRAM` records for
     ``selection`` say the defaults are the better build: faster, or the tuned program
     over the budget (beyond what the governor corrects) where the defaults are not."""
-    latest: dict = {}                    # (name, build) -> Record
+    latest: dict = {}                    # (workload, build) -> Record
     for r in records:
         if r.kind != PROGRAM or not isinstance(r.knobs, dict) or \
                 r.knobs.get("selection") != selection or r.status not in (OK, OVER_BUDGET):
