@@ -72,7 +72,7 @@ from edgetvm import interrupt
 from edgetvm.errors import CandidateRejected, EdgeTVMError
 
 from .cost_model import CostModel, features
-from .log import FAILED, OK, OVER_BUDGET, REJECTED, Record, canonical_knobs
+from .log import DEFAULTS, FAILED, OK, OVER_BUDGET, REJECTED, Record, canonical_knobs
 from .measure import STOPPED, LocalMeasurer, TooSlow
 
 log = logging.getLogger("edgetvm")
@@ -713,7 +713,7 @@ def format_report(rep: dict) -> str:
                          f"{r['default_cycles'] / r['tuned_cycles']:>6.3f} {ks:>9} "
                          f"{r['default_peak_mw']:>8.0f} {r['tuned_peak_mw']:>8.0f}")
         for r in rep["phases"]:
-            if r.get("replayed") != "defaults":
+            if r.get("replayed") != DEFAULTS:
                 continue
             why = (f"{r['tuned_cycles'] / r['default_cycles'] - 1:.1%} slower than"
                    if r["tuned_cycles"] > r["default_cycles"] else
