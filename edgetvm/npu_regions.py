@@ -12,10 +12,11 @@ import dataclasses
 
 import numpy as np
 import tvm
-from tvm import relax, s_tir
+from tvm import relax
 
 from edgetvm.errors import CandidateRejected, EdgeTVMError
 from edgetvm.relax_passes._fusion import function_outputs
+from edgetvm.tir_schedules.common import new_schedule
 from edgetvm.tir_schedules.fused import (FusionCluster, Stage, knob_names, lower_cluster,
                                          schedule_cluster)
 
@@ -80,7 +81,7 @@ class KernelCache:
                 if elementwise:       # 2-D elementwise clusters also tile their columns
                     knobs["tile_n"] = int(cluster.tensors["x"][0][-1])
                 # a fixed seed: every knob is given, and the result must not vary by run
-                sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
+                sch = new_schedule(func, seed=1)
                 try:
                     schedule_cluster(sch, **knobs)
                     base = lower_cluster(cluster, sch, self.spec, zeros)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import relax, s_tir
+from tvm import relax
 
 from edgetvm.errors import EdgeTVMError
 from edgetvm.frontend import import_onnx
@@ -34,6 +34,7 @@ from edgetvm.target.lowering import lower_primfunc
 from edgetvm.target.spec import load_spec
 from edgetvm.tir_schedules.attention import (ATTENTION_LOWERING, schedule_decode_attention,
                                              schedule_prefill_attention)
+from edgetvm.tir_schedules.common import new_schedule
 from edgetvm.tir_schedules.embedding import schedule_embedding
 from edgetvm.tir_schedules.kv_cache import (KV_APPEND_LOWERING, KV_APPEND_PAGES_LOWERING,
                                             schedule_kv_append, schedule_kv_append_pages)
@@ -321,8 +322,7 @@ class NPUSession:
             key = ("embedding", region.index, c)
             program = self._programs.get(key)
             if program is None:
-                sch = s_tir.Schedule(tvm.IRModule({"main": embedding_workload(c, vocab,
-                                                                               hidden)}))
+                sch = new_schedule(embedding_workload(c, vocab, hidden))
                 schedule_embedding(sch, tile_m=min(c, 16), slots_out=2, dma_split=1)
                 e16 = self._weights.setdefault(region.index, {"E": table.astype(np.float16)})
                 program = self._programs[key] = lower_primfunc(

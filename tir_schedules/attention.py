@@ -135,10 +135,9 @@ from __future__ import annotations
 import contextlib
 import math
 
-import tvm
-from tvm import s_tir, tirx
+from tvm import tirx
 
-from .common import TileKernel, apply_annotations, knob
+from .common import TileKernel, apply_annotations, knob, new_schedule
 from .kv_cache import KVCacheLayout
 
 #: knobs added after logs were written, and the value a knob set without one lowers with
@@ -854,7 +853,7 @@ def prefill_attention(layout: KVCacheLayout, q_heads: int, tokens: int, *, tile_
 
 
 def _schedule(kb, knobs, list_schedule: int = 0):
-    sch = s_tir.Schedule(tvm.IRModule({"main": kb.func()}))
+    sch = new_schedule(kb.func())
     for name, value in knobs:
         knob(sch, value, [value], name)        # recorded in the trace: replay re-applies it
     apply_annotations(sch, kb.ops)

@@ -2,9 +2,31 @@
 annotations the NPU lowering reads (``npu.op``, ``npu.slots``, ``npu.channel``)."""
 from __future__ import annotations
 
+import tvm
+from tvm import s_tir
+
 from edgetvm.target.lowering.lower import FILL_CONSTS, TCM_INSTANCE
 
 TCM = "global.tcm"
+
+
+class Schedule(s_tir.Schedule):
+    """``s_tir.Schedule`` without the Python-side type check of every primitive's
+    arguments (``s_tir.schedule._type_checker``): the FFI still checks what it converts
+    and the schedule state is still verified. The check walked every list argument on every
+    call and was a quarter of lowering a fused cluster (4 of 18 s of a family's ``mega``
+    kernels); the templates call primitives thousands of times per phase."""
+
+
+for _name, _method in list(vars(s_tir.Schedule).items()):
+    if callable(_method) and hasattr(_method, "__wrapped__"):
+        setattr(Schedule, _name, _method.__wrapped__)
+
+
+def new_schedule(func, seed: int | None = None) -> Schedule:
+    """A schedule of the PrimFunc ``func`` (or an IRModule with ``main``)."""
+    mod = func if isinstance(func, tvm.IRModule) else tvm.IRModule({"main": func})
+    return Schedule(mod, seed=seed)
 
 
 def knob(sch, value, candidates, name: str):

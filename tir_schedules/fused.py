@@ -68,8 +68,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import tvm
-from tvm import s_tir, te
+from tvm import te
 from tvm.tirx.analysis import undefined_vars
 from tvm.tirx.buffer import BufferType
 
@@ -77,7 +76,7 @@ from edgetvm.errors import CandidateRejected
 from edgetvm.target.lowering import lower_primfunc
 
 from . import workloads as W
-from .common import TCM, annotate_op, knob, tile_candidates
+from .common import TCM, annotate_op, knob, new_schedule, tile_candidates
 
 ROW_TILES = (1, 2, 4, 8, 16, 32, 64, 128)
 MATMUL_KNOBS = ("tile_n", "tile_k", "slots_w", "slots_c")
@@ -215,7 +214,7 @@ KNOBS_SINCE = {"tcm_fresh": 0, "list_schedule": 0, "resident_w": 0}
 def knob_names(func) -> tuple:
     """The knobs :func:`schedule_cluster` samples for ``func``, in sampling order (the
     ``KNOBS`` of a template, for ``search.knob_space``)."""
-    sch = s_tir.Schedule(tvm.IRModule({"main": func}))
+    sch = new_schedule(func)
     blocks = [(rv, sch.get(rv)) for rv in sch.get_child_blocks(sch.get_sblock("root"))]
     _, _, elementwise, roles = _analyse(func, blocks)
     names = ["tile_m"] + (["tile_n"] if elementwise else [])

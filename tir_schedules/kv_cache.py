@@ -38,10 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import tvm
-from tvm import s_tir
 
-from .common import TileKernel, apply_annotations
+from .common import TileKernel, apply_annotations, new_schedule
 
 #: tokens per KV page for the example models (a power of two: page and offset of a
 #: position are a shift and a mask for the host)
@@ -110,7 +108,7 @@ def _stage_new_tokens(kb, src: dict, c: int, hk: int, d: int) -> dict:
 def _schedule(kb, spec):
     """The kernel's schedule with its op annotations (DMA channel hints dropped on a
     single-channel NPU)."""
-    sch = s_tir.Schedule(tvm.IRModule({"main": kb.func()}))
+    sch = new_schedule(kb.func())
     ops = kb.ops
     if spec is not None and spec.dma_channels < 2:
         ops = [(b, dep, {k: v for k, v in a.items() if k != "npu.channel"}) for b, dep, a in ops]

@@ -13,9 +13,10 @@ import random
 from dataclasses import dataclass, field
 
 import tvm
-from tvm import s_tir
 
 from edgetvm.errors import CandidateRejected
+
+from .common import new_schedule
 
 
 def knob_space(sch, names) -> dict:
@@ -69,13 +70,13 @@ def search(func, schedule_fn, knob_names, lower_fn, run_fn, trials: int = 32, se
     """
     fixed = dict(fixed or {})
     mod = tvm.IRModule({"main": func})
-    probe = s_tir.Schedule(mod, seed=seed + 1)   # s_tir seeds start at 1
+    probe = new_schedule(mod, seed=seed + 1)   # s_tir seeds start at 1
     schedule_fn(probe, **fixed)
     space = knob_space(probe, knob_names)
     counter = iter(range(2, 1 << 30))
 
     def build(knobs):
-        sch = s_tir.Schedule(mod, seed=seed + next(counter))
+        sch = new_schedule(mod, seed=seed + next(counter))
         schedule_fn(sch, **knobs)
         return lower_fn(sch.mod["main"])
     return search_space(space, build, run_fn, trials, seed, progress)

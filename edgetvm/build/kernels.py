@@ -16,8 +16,6 @@ import copy
 from dataclasses import dataclass, field
 
 import numpy as np
-import tvm
-from tvm import s_tir
 
 from edgetvm.errors import CandidateRejected
 from edgetvm.npu_regions import default_knobs
@@ -28,6 +26,7 @@ from edgetvm.tir_schedules.attention import ATTENTION_LOWERING
 from edgetvm.tir_schedules.attention import DECODE_REVISION, PREFILL_REVISION
 from edgetvm.tir_schedules.attention import schedule_decode_attention, schedule_prefill_attention
 from edgetvm.tir_schedules.attention import two_pass_bytes
+from edgetvm.tir_schedules.common import new_schedule
 from edgetvm.tir_schedules.embedding import schedule_embedding
 from edgetvm.tir_schedules.fused import (FusionCluster, Stage, knob_names, lower_cluster,
                                          schedule_cluster)
@@ -212,7 +211,7 @@ class KernelBuilder:
                  for n in cluster.consts}
         func = cluster.prim_func()
         if knobs is not None:
-            sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
+            sch = new_schedule(func, seed=1)
             try:
                 schedule_cluster(sch, **knobs)
             except (TypeError, ValueError, RuntimeError, IndexError) as e:
@@ -225,7 +224,7 @@ class KernelBuilder:
         for knobs in default_knobs(rows, cluster_matmuls(cluster)):
             if "tile_n" in names:        # 2-D elementwise clusters also tile their columns
                 knobs["tile_n"] = int(_shape_of(cluster, cluster.stages[-1].output)[1])
-            sch = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
+            sch = new_schedule(func, seed=1)
             try:
                 schedule_cluster(sch, **knobs, list_schedule=LIST_SCHEDULE_AUTO)
                 program = lower_cluster(cluster, sch, self.spec, zeros)
@@ -249,7 +248,7 @@ class KernelBuilder:
         def build(kn):
             kn = dict(tile_m=min(rows, 16), slots_out=2, dma_split=1) if kn is None \
                 else dict(kn)
-            sch = s_tir.Schedule(tvm.IRModule({"main": embedding_workload(rows, vocab, hidden)}))
+            sch = new_schedule(embedding_workload(rows, vocab, hidden))
             _apply(schedule_embedding, sch, "embedding", kn)
             placeholder = {"E": np.zeros((vocab, hidden), np.float16)}
             return lower_primfunc(sch.mod["main"], self.spec, "embedding", consts=placeholder,

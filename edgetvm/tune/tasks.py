@@ -35,8 +35,6 @@ import random
 from dataclasses import dataclass, field
 
 import numpy as np
-import tvm
-from tvm import s_tir
 
 from edgetvm.build.cuts import cuts_of, forced_cuts, groups_of, joinable, run_key, runs
 from edgetvm.build.graph import BuildError
@@ -45,7 +43,7 @@ from edgetvm.errors import CandidateRejected
 from edgetvm.npu_regions import default_knobs
 from edgetvm.tir_schedules.attention import KNOBS_SINCE as ATTENTION_KNOBS_SINCE
 from edgetvm.tir_schedules.attention import kv_tile_candidates
-from edgetvm.tir_schedules.common import tile_candidates
+from edgetvm.tir_schedules.common import new_schedule, tile_candidates
 from edgetvm.tir_schedules.fused import KNOBS_SINCE, ROW_TILES, knob_names, schedule_cluster
 from edgetvm.tir_schedules.search import knob_space
 
@@ -299,7 +297,7 @@ def cluster_space(cluster) -> tuple:
     """(flat knob space, shape facts) of a fusion cluster, read from its template."""
     func = cluster.prim_func()
     names = knob_names(func)
-    probe = s_tir.Schedule(tvm.IRModule({"main": func}), seed=1)
+    probe = new_schedule(func, seed=1)
     schedule_cluster(probe, tcm_fresh=None, list_schedule=None, resident_w=None)
     space = knob_space(probe, names)
     matmuls = cluster_matmuls(cluster)
