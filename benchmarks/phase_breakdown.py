@@ -18,7 +18,7 @@ budget lifted (a device that never throttles): what throttling costs, side by si
 
     python benchmarks/phase_breakdown.py [--log DIR] [--strategy local] [--quantize G]
         [--case p512|p128|d1024] [--profile performance] [--no-budget] [--model PATH]
-        [--quick] [--json PATH]
+        [--prefetch-at-end] [--quick] [--json PATH]
 
 Without ``--model``, SmolLM2-135M (``$EDGETVM_SMOLLM2`` or ``../smollm2``), else the
 bundled example; ``--quick``: the bundled example at prefill 128.
@@ -81,6 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="performance")
     ap.add_argument("--no-budget", action="store_true",
                     help="also run with the profile's power budget lifted")
+    ap.add_argument("--prefetch-at-end", action="store_true",
+                    help="queue each kernel's prefetch at the end of the kernel before, "
+                         "never spread under it (link.py: the linker's choice before)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--quick", action="store_true", help="the bundled example, prefill 128")
     ap.add_argument("--json", help="write the rows as JSON to this path")
@@ -105,6 +108,7 @@ def main(argv=None) -> int:
         except TuningLogError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    bench.mc.spread_prefetch = not args.prefetch_at_end
     spec = bench.mc.spec
     runs = [("budget", None)]
     if args.no_budget:

@@ -67,6 +67,7 @@ class ModelCompiler:
         self.cuts_for = cuts_for
         self.defaults_for = defaults_for
         self.prefetch = True             # cross-kernel weight prefetch (link.py)
+        self.spread_prefetch = True      # ... spread under a compute-bound kernel (link.py)
         self.max_rows = int(max_rows)
         t0 = time.time()
         imported = import_onnx(onnx_path, shape_overrides=shape_overrides)
@@ -302,7 +303,8 @@ class ModelCompiler:
         builder = self.kernels if kernels is None else kernels
         kernels = [builder.kernel(graph, grp, consumers) for grp in groups]
         plan = plan_dram(graph, kernels, self.spec.dram_burst_bytes)
-        linker = Linker(graph, plan, self.spec, name, prefetch=self.prefetch)
+        linker = Linker(graph, plan, self.spec, name, prefetch=self.prefetch,
+                        spread=self.spread_prefetch)
         for k in kernels:
             linker.add(k)
         return linker.build(phase=graph.phase, rows=graph.rows, pages=graph.pages,

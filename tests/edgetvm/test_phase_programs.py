@@ -832,6 +832,42 @@ def test_cross_kernel_prefetch_overlaps_and_keeps_the_answer():
     assert results[True].counters.total_cycles < results[False].counters.total_cycles
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_prefetch_spread_under_the_kernel_before_keeps_the_answer(family, monkeypatch):
+    """A kernel's first weights queued in blocks between the previous kernel's own DMAs
+    (``Linker._queue_under_previous``), not at its end. The linker does it under a
+    compute-bound kernel whose tail would not hide them, which the tiny models' kernels
+    are not: forced here (and in 2 KB blocks), every program of a generation is spread,
+    split into blocks, and computes the model (the emulator's hazard check sees every
+    byte's writer)."""
+    from edgetvm.build import link
+    from edgetvm.target.isa import Launch
+
+    monkeypatch.setattr(link.Linker, "_has_dma_slack", lambda self, body, hoisted: True)
+    monkeypatch.setattr(link.Linker, "_tail_hides", lambda self, tail, loads: False)
+    monkeypatch.setattr(link, "SPREAD_BLOCK_BYTES", 2048)     # the tiny weights cut too
+    mc = ModelCompiler(str(_path(family)), max_tokens=MAX_TOKENS, strategy="regions",
+                       max_rows=16)
+    prog = mc.program("prefill", 4, 1)
+    def inside(ref, regions):                 # TCM bytes of ref within a carried region
+        return any(r.offset <= ref.offset < r.offset + r.shape[0] * r.stride * 2
+                   for r in regions)
+
+    spread = blocks = 0
+    last = 0                                   # the index after the previous launch
+    for i, c in enumerate(prog.commands):
+        if isinstance(c, Launch):
+            cmds = prog.commands[last:i]
+            carried = [j for j, d in enumerate(cmds)
+                       if isinstance(d, DmaLoad) and inside(d.dst, c.carry)]
+            others = [j for j in range(len(cmds)) if j not in carried]
+            spread += bool(carried and others and min(carried) < max(others))
+            blocks += len(carried) > len(c.carry)
+            last = i + 1
+    assert spread >= 2 and blocks >= 1, (spread, blocks)
+    _check(family, "regions", mc=mc)
+
+
 def test_kv_capacity_bounded_by_a_learned_position_table():
     import onnx
 

@@ -136,3 +136,38 @@ def test_a_host_op_reads_whole_tensors_copying_a_strided_view_first():
     assert src.offset == Affine(32)
     assert got.shape == (1, 4, 32) and got.is_whole(ex.tensors[got.tensor].shape)
     assert got.tensor != "qkv"
+
+
+def _copied(cmds) -> dict:
+    """TCM byte offset -> DRAM element index of every element the loads copy, by the
+    DramRef/TcmRef definitions (row-major windows, strides in elements / elements)."""
+    from edgetvm.target.isa import ITEMSIZE
+    got = {}
+    for c in cmds:
+        rows, cols = c.src.shape
+        size = ITEMSIZE[c.dst.dtype]
+        for r in range(rows):
+            for k in range(cols):
+                got[c.dst.offset + (r * c.dst.stride + k) * size] = \
+                    c.src.offset + r * c.src.row_stride + k
+    return got
+
+
+@pytest.mark.parametrize("shape,stride,n", [((40, 24), 32, 6), ((1, 4096), 4096, 5),
+                                            ((1, 100), 100, 8), ((3, 8), 8, 7)])
+def test_a_prefetch_cut_into_blocks_copies_what_the_load_did(shape, stride, n):
+    """The blocks a spread prefetch is queued in (``link._row_blocks``): together they copy
+    exactly the load's elements to the same TCM bytes, one-row loads in whole 64-byte
+    bursts, the first keeping the load's waits and the last its signals."""
+    from edgetvm.build.link import _row_blocks
+    from edgetvm.target.isa import DmaLoad, TcmRef
+    load = DmaLoad(dst=TcmRef(1024, shape, "float16", shape[1]),
+                   src=DramRef("w", shape, stride, 96), channel=1, wait=(3,), signal=(7,))
+    blocks = _row_blocks(load, n)
+    assert 1 < len(blocks) <= n
+    assert _copied(blocks) == _copied([load])
+    assert blocks[0].wait == (3,) and all(not b.wait for b in blocks[1:])
+    assert blocks[-1].signal == (7,) and all(not b.signal for b in blocks[:-1])
+    assert all(b.channel == 1 for b in blocks)
+    if shape[0] == 1:
+        assert all(b.src.shape[1] * 2 % 64 == 0 for b in blocks[:-1])
