@@ -192,11 +192,12 @@ class Linker:
     cut into blocks (:func:`_row_blocks`) queued between its own DMAs on their channel,
     evenly from its first: each block waits behind at most the commands before it and
     holds the next of them up by one block's transfer, where a compute-bound kernel's
-    channel mostly idles. SmolLM2 fp16 prefill 512 (shipped log, ``performance``): 38.36 M
-    -> 37.52 M cycles, the attentions 246 k -> 214 k a layer; the bundled example's
-    programs and SmolLM2's decode step, whose prefetches their tails hide or whose kernels
-    are bandwidth-bound, are unchanged. Where the blocks go is estimated by the cost
-    formulas (a linker measures nothing); the emulator measures what it gains."""
+    channel mostly idles. Shipped logs, ``performance``: SmolLM2 fp16 prefill 512 38.36 M
+    -> 37.52 M cycles (the attentions 246 k -> 214 k a layer; with default knobs 50.18 M
+    -> 50.38 M), the bundled example's prefill 256 374,549 -> 364,774; its other programs,
+    SmolLM2's decode and W4A16 prefill, whose prefetches their tails hide or whose kernels
+    are bandwidth-bound, unchanged. Where the blocks go is estimated by the cost formulas
+    (a linker measures nothing); the emulator measures what it gains."""
 
     def __init__(self, graph: PhaseGraph, plan: DramPlan, spec, name: str, prefetch=True,
                  spread: bool = True):
@@ -475,9 +476,9 @@ def _estimates(cmds, spec) -> tuple:
 
 def _row_blocks(cmd: DmaLoad, n: int, burst: int = 64) -> list:
     """``cmd`` as up to ``n`` loads of consecutive blocks, in order: of rows, or of a
-    one-row (contiguous) load's columns in whole ``burst``-byte bursts. The first keeps its waits, the
-    last its signals (a channel runs them in order, so the last one's signal still says
-    every block arrived)."""
+    one-row (contiguous) load's columns in whole ``burst``-byte bursts. The first keeps
+    its waits, the last its signals (a channel runs them in order, so the last one's
+    signal still says every block arrived)."""
     rows, cols = (int(x) for x in cmd.src.shape)
     if n <= 1 or cmd.valid_rows is not None or tuple(cmd.dst.shape) != (rows, cols):
         return [cmd]
