@@ -837,11 +837,11 @@ def test_a_prefetch_spread_under_the_kernel_before_keeps_the_answer(family, monk
     """A kernel's first weights queued in blocks between the previous kernel's own DMAs
     (``Linker._queue_under_previous``), not at its end. The linker does it under a
     compute-bound kernel whose tail would not hide them, which the tiny models' kernels
-    are not: forced here (and in 2 KB blocks), every program of a generation is spread,
-    split into blocks, and computes the model (the emulator's hazard check sees every
-    byte's writer)."""
+    are not: forced here (and in 2 KB blocks), the prefill program is spread and split
+    into blocks, and every program of a generation built so computes the model (the
+    emulator's hazard check sees every byte's writer)."""
     from edgetvm.build import link
-    from edgetvm.target.isa import Launch
+    from edgetvm.target.isa import ITEMSIZE, Launch
 
     monkeypatch.setattr(link.Linker, "_has_dma_slack", lambda self, body, hoisted: True)
     monkeypatch.setattr(link.Linker, "_tail_hides", lambda self, tail, loads: False)
@@ -849,9 +849,10 @@ def test_a_prefetch_spread_under_the_kernel_before_keeps_the_answer(family, monk
     mc = ModelCompiler(str(_path(family)), max_tokens=MAX_TOKENS, strategy="regions",
                        max_rows=16)
     prog = mc.program("prefill", 4, 1)
+
     def inside(ref, regions):                 # TCM bytes of ref within a carried region
-        return any(r.offset <= ref.offset < r.offset + r.shape[0] * r.stride * 2
-                   for r in regions)
+        return any(r.offset <= ref.offset < r.offset + r.shape[0] * r.stride *
+                   ITEMSIZE[r.dtype] for r in regions)
 
     spread = blocks = 0
     last = 0                                   # the index after the previous launch
