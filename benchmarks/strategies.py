@@ -117,8 +117,11 @@ class Bench:
         if scope == "layer":
             g = sub_graph(g, *layer_slice(g))
         groups = mc.partition(g, strategy, profile)
+        # a whole program's prefetches as a build links them: where a replayed log
+        # measured the program faster with each at the kernel before's end, so
+        spread = mc.spreads(phase, rows, pages, strategy) if scope == "model" else None
         program = mc.link(g, groups, f"{scope}_{phase}_{rows}x{pages}p_{strategy}",
-                          strategy=strategy)
+                          spread=spread, strategy=strategy)
         return program, len(groups), time.time() - t0, mc.search(profile).measurements - before
 
     def inputs(self, case, vocab):

@@ -98,8 +98,11 @@ def build(onnx_path: str, output: str, *, target="edge-npu-16mb", profile=None,
         "w4_linears": mc.quant_report.w4_linears if mc.quant_report else None,
     }
     if replay is not None:
-        manifest["tuning"] = dict(replay.summary(), programs_untuned=sorted(
-            program_name(k) for k in keys if mc.builds_defaults(*k)))
+        manifest["tuning"] = dict(
+            replay.summary(),
+            programs_untuned=sorted(program_name(k) for k in keys if mc.builds_defaults(*k)),
+            programs_prefetch_at_end=sorted(program_name(k) for k in keys
+                                            if not mc.spreads(*k)))
     full = write_artifact(output, programs, manifest, pack)
     full["build_seconds"] = time.time() - t0
     return full
@@ -265,6 +268,10 @@ def main(argv=None) -> int:
             print(f"  built with the defaults (the log measured them better so, as whole "
                   f"programs): "
                   f"{', '.join(m['tuning']['programs_untuned'])}")
+        if m["tuning"]["programs_prefetch_at_end"]:
+            print(f"  linked with each prefetch at the end of the kernel before (the log "
+                  f"measured them faster so): "
+                  f"{', '.join(m['tuning']['programs_prefetch_at_end'])}")
     print(f"DRAM: {m['weights']['bytes'] / 1e6:.1f} MB weights + {arena / 1e6:.2f} MB "
           f"activation arena (high-water, slots reused by lifetime) + {kv / 1e6:.2f} MB KV "
           f"cache ({md['max_tokens']} tokens)")

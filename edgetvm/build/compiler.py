@@ -47,15 +47,18 @@ class ModelCompiler:
     def __init__(self, onnx_path, spec="edge-npu-16mb", *, quantize=None, max_tokens=None,
                  strategy: str = "regions", max_rows: int = 512, shape_overrides=None,
                  profile: str | None = None, knobs_for=None, cuts_for=None,
-                 defaults_for=None):
+                 defaults_for=None, spread_for=None):
         """``knobs_for(kernel key) -> knobs or None``: the knobs each kernel is lowered
         with instead of the defaults; ``cuts_for(run key) -> cuts or None``: the kernel
         boundaries of each run of fusable ops instead of the strategy's
         (:mod:`edgetvm.build.cuts`); ``defaults_for(program name, build identity) ->
         bool``: whether a phase program (``decode_1x64p``, built by a compiler of
         :meth:`build_identity`) is built with neither, the strategy's partition and
-        default knobs (the tuning log measured it slower tuned). All three are a tuning
-        log's replay (:class:`edgetvm.tune.log.Replay`)."""
+        default knobs (the tuning log measured it slower tuned); ``spread_for(program
+        name, build identity) -> bool``: whether its cross-kernel prefetches may be spread
+        under the kernel before as the linker chooses, or go each at that kernel's end
+        (the log measured it faster so; :attr:`spread_prefetch` off: at the end in every
+        program). All four are a tuning log's replay (:class:`edgetvm.tune.log.Replay`)."""
         if strategy not in STRATEGIES:
             raise BuildError(f"unknown fusion strategy {strategy!r}; known: "
                              f"{', '.join(STRATEGIES)}")
@@ -66,6 +69,7 @@ class ModelCompiler:
         self._knobs_for = knobs_for
         self.cuts_for = cuts_for
         self.defaults_for = defaults_for
+        self.spread_for = spread_for
         self.prefetch = True             # cross-kernel weight prefetch (link.py)
         self.spread_prefetch = True      # ... spread under a compute-bound kernel (link.py)
         self.max_rows = int(max_rows)
@@ -252,6 +256,13 @@ class ModelCompiler:
         return self.defaults_for is not None and bool(self.defaults_for(
             program_name((phase, rows, pages)), self.build_identity(strategy)))
 
+    def spreads(self, phase: str, rows: int, pages: int, strategy: str | None = None) -> bool:
+        """May program (phase, rows, pages) spread its prefetches under the kernel before
+        (:class:`~edgetvm.build.link.Linker`), or did the replayed log measure it faster
+        with each at that kernel's end (:attr:`spread_for`)?"""
+        return self.spread_prefetch and (self.spread_for is None or bool(self.spread_for(
+            program_name((phase, rows, pages)), self.build_identity(strategy))))
+
     def groups(self, phase: str, rows: int, pages: int, strategy: str | None = None):
         """The partition :meth:`program` links: the strategy's, with the log's cuts, or
         alone where :meth:`builds_defaults`."""
@@ -262,11 +273,12 @@ class ModelCompiler:
 
     def replay(self, replay) -> None:
         """Build from now on as the tuning log's ``replay`` says
-        (:attr:`edgetvm.tune.log.Replay.compiler_options`: knobs, cuts, and the programs
-        built with the defaults)."""
+        (:attr:`edgetvm.tune.log.Replay.compiler_options`: knobs, cuts, the programs
+        built with the defaults and those whose prefetches go at the kernels' ends)."""
         opts = replay.compiler_options
         self.knobs_for = opts["knobs_for"]
         self.defaults_for = opts["defaults_for"]
+        self.spread_for = opts["spread_for"]
         self.set_cuts(opts["cuts_for"])
 
     def set_cuts(self, cuts_for) -> None:
@@ -275,12 +287,13 @@ class ModelCompiler:
         self._linked.clear()
 
     def program(self, phase: str, rows: int, pages: int, strategy: str | None = None,
-                groups=None, keep: bool = True):
+                groups=None, keep: bool = True, spread: bool | None = None):
         """The linked whole-phase program (``groups``: a partition to use instead of the
-        strategy's; ``keep``: kept for the next call)."""
+        strategy's; ``keep``: kept for the next call; ``spread``: whether its prefetches
+        may be spread, instead of :meth:`spreads`)."""
         strategy = strategy or self.strategy
         key = (phase, rows, pages, strategy)
-        cache = groups is None and keep
+        cache = groups is None and keep and spread is None
         if cache and key in self._linked:
             return self._linked[key]
         if rows > self.max_rows:
@@ -288,23 +301,28 @@ class ModelCompiler:
         g = self.graph(phase, rows, pages)
         # the log measured it faster with the defaults (only for its own partition)
         defaults = groups is None and self.builds_defaults(phase, rows, pages, strategy)
+        if spread is None:
+            spread = self.spreads(phase, rows, pages, strategy) if groups is None \
+                else self.spread_prefetch
         if groups is None:
             groups = self.groups(phase, rows, pages, strategy)
         program = self.link(g, groups, program_name((phase, rows, pages)),
-                            kernels=self._builder(defaults), strategy=strategy)
+                            kernels=self._builder(defaults), spread=spread, strategy=strategy)
         if cache:
             self._linked[key] = program
         return program
 
-    def link(self, graph, groups, name: str, kernels=None, **metadata):
+    def link(self, graph, groups, name: str, kernels=None, spread: bool | None = None,
+             **metadata):
         """One program running ``groups`` (a partition of ``graph.ops``) in order, its
-        kernels lowered by ``kernels`` (default: :attr:`kernels`)."""
+        kernels lowered by ``kernels`` (default: :attr:`kernels`), its prefetches spread
+        under compute-bound kernels if ``spread`` (default: :attr:`spread_prefetch`)."""
         consumers = graph.consumers()
         builder = self.kernels if kernels is None else kernels
         kernels = [builder.kernel(graph, grp, consumers) for grp in groups]
         plan = plan_dram(graph, kernels, self.spec.dram_burst_bytes)
         linker = Linker(graph, plan, self.spec, name, prefetch=self.prefetch,
-                        spread=self.spread_prefetch)
+                        spread=self.spread_prefetch if spread is None else spread)
         for k in kernels:
             linker.add(k)
         return linker.build(phase=graph.phase, rows=graph.rows, pages=graph.pages,

@@ -24,7 +24,7 @@ import hashlib
 import numpy as np
 
 from edgetvm.target.builder import ProgramBuilder
-from edgetvm.target.emulator.costs import command_cycles
+from edgetvm.target.emulator.costs import command_cycles, dma_bytes, dma_estimate
 from edgetvm.target.isa import (ITEMSIZE, Affine, DmaLoad, DmaStore, DramRef, End, HostOp,
                                 Launch, TcmRef, as_affine, predicates)
 
@@ -205,6 +205,9 @@ class Linker:
         self.builder = ProgramBuilder(name, spec)
         self.prefetch = prefetch
         self.spread = spread
+        #: how many prefetch loads went under the kernel before, not at its end (the
+        #: program's ``spread_prefetches``; 0: it is the same program unspread)
+        self.spread_loads = 0
         self.events = 0
         self.tcm_high = 0
         self.params: list = []
@@ -248,14 +251,16 @@ class Linker:
                    and cmds[i].channel == channel]
             if not own:                   # the channel idles under the previous kernel
                 after.setdefault(start - 1, []).extend(loads)
+                self.spread_loads += len(loads)
                 continue
             if self._tail_hides(cmds[own[-1] + 1:end], loads):
                 after.setdefault(end - 1, []).extend(loads)      # at the end, as before
                 continue
-            nbytes = sum(_dram_bytes(c) for c in loads)
+            nbytes = sum(dma_bytes(c) for c in loads)
             per = max(1, min(len(own), -(-nbytes // SPREAD_BLOCK_BYTES)) // len(loads))
             blocks = [b for c in loads
                       for b in _row_blocks(c, per, self.spec.dram_burst_bytes)]
+            self.spread_loads += len(loads)
             for k, b in enumerate(blocks):
                 after.setdefault(own[k * len(own) // len(blocks)], []).append(b)
         out = []
@@ -417,7 +422,8 @@ class Linker:
     def build(self, **metadata):
         for p in self.params:
             self.builder.param(p)
-        return self.builder.build(tcm_bytes=self.tcm_high, **metadata)
+        return self.builder.build(tcm_bytes=self.tcm_high,
+                                  spread_prefetches=self.spread_loads, **metadata)
 
 
 def _host_tensor(local: dict, name: str, kernel) -> str:
@@ -455,12 +461,6 @@ def _shift_tcm(cmd, base: int):
 SPREAD_BLOCK_BYTES = 64 << 10
 
 
-def _dram_bytes(cmd) -> int:
-    """Bytes a DMA moves (its TCM side's)."""
-    ref = cmd.dst if isinstance(cmd, DmaLoad) else cmd.src
-    return int(np.prod(ref.shape)) * ITEMSIZE[ref.dtype]
-
-
 def _estimates(cmds, spec) -> tuple:
     """``(bus, compute)``: cycles the DMAs of ``cmds`` take on the bus (set-up, then their
     bytes at the whole bus's rate) and the busiest compute unit's, by the emulator's cost
@@ -468,7 +468,7 @@ def _estimates(cmds, spec) -> tuple:
     bus, busy = 0.0, {}
     for c in cmds:
         if isinstance(c, (DmaLoad, DmaStore)):
-            bus += spec.dma_setup_cycles + _dram_bytes(c) / spec.dram_bytes_per_cycle
+            bus += dma_estimate(c, spec)
         else:
             busy[c.unit] = busy.get(c.unit, 0) + command_cycles(c, spec)
     return bus, max(busy.values(), default=0)

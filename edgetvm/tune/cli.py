@@ -203,18 +203,24 @@ def validate_programs(mc, keys, log_dir, ctx, onnx_path, quantize, max_tokens, s
     program the tune made slower (or put over the budget beyond what the governor
     corrects, :func:`~edgetvm.tune.measure.beyond_governor`) with the defaults. A kernel is
     tuned beside its neighbours; a whole program's power windows and governor span
-    kernels, and only the whole program says what a step costs."""
+    kernels, and only the whole program says what a step costs.
+
+    Where the linker spread a build's prefetches under compute-bound kernels (a choice its
+    cost formulas make, :class:`~edgetvm.build.link.Linker`), that build is measured with
+    each prefetch at the end of the kernel before too, and a build with ``--log`` links it
+    as it measured faster (:func:`~edgetvm.tune.log.best_builds`)."""
     from edgetvm.build.compiler import ModelCompiler
 
-    from .log import (DEFAULTS, TUNED, Replay, TuningLog, defaults_win, program_record,
-                      program_workload)
+    from .log import (AT_END, DEFAULTS, SPREAD, TUNED, Replay, TuningLog, best_builds,
+                      program_record, program_workload)
     from .measure import beyond_governor
 
     mc.set_cuts(None)                # the default: the strategy's partition
+    mc.spread_for = None             # (and the linker's prefetch placement)
     replay = Replay(log_dir, ctx)
     tuned = ModelCompiler(onnx_path, mc.spec, quantize=quantize, max_tokens=max_tokens,
                           strategy=strategy, max_rows=max_rows, profile=profile,
-                          **dict(replay.compiler_options, defaults_for=None))
+                          **dict(replay.compiler_options, defaults_for=None, spread_for=None))
     identity = tuned.build_identity()
     assert identity == mc.build_identity(), (identity, mc.build_identity())
     budget = mc.spec.profile(mc.profile).budget_mw
@@ -222,25 +228,36 @@ def validate_programs(mc, keys, log_dir, ctx, onnx_path, quantize, max_tokens, s
     with TuningLog(log_dir) as tlog:
         for key in keys:
             name = program_name(key)
-            a, b = program_counters(mc, key), program_counters(tuned, key)
-            # the whole step's governor: over only where even the floor clock is
-            over = beyond_governor(b.peak_power_mw, budget, a.peak_power_mw,
-                                   b.min_clock_scale)
-            for build, c, o in ((DEFAULTS, a, False), (TUNED, b, over)):
+            measured = {}                # (build, prefetch) -> Counters
+            for build, comp in ((DEFAULTS, mc), (TUNED, tuned)):
+                measured[build, SPREAD] = program_counters(comp, key)
+                if comp.program(*key).metadata.get("spread_prefetches"):
+                    measured[build, AT_END] = program_counters(comp, key, spread=False)
+            a, b = measured[DEFAULTS, SPREAD], measured[TUNED, SPREAD]
+            over = {}
+            for (build, prefetch), c in measured.items():
+                # the whole step's governor: over only where even the floor clock is,
+                # judged against the defaults' own peak
+                over[build, prefetch] = (build, prefetch) != (DEFAULTS, SPREAD) and \
+                    beyond_governor(c.peak_power_mw, budget, a.peak_power_mw,
+                                    c.min_clock_scale)
                 written.append(program_record(ctx, name, identity, replay.selection, build,
                                               c.total_cycles, c.dram_bus_bytes,
-                                              c.peak_power_mw, over_budget=o))
+                                              c.peak_power_mw, over_budget=over[build, prefetch],
+                                              prefetch=prefetch))
                 tlog.append(written[-1])
             rows.append(dict(
                 program=name, default_cycles=a.total_cycles,
                 tuned_cycles=b.total_cycles, default_peak_mw=round(a.peak_power_mw, 1),
-                tuned_peak_mw=round(b.peak_power_mw, 1), tuned_over_budget=over,
+                tuned_peak_mw=round(b.peak_power_mw, 1), tuned_over_budget=over[TUNED, SPREAD],
                 default_kernels=len(mc.program(*key).metadata["kernels"]),
-                tuned_kernels=len(tuned.program(*key).metadata["kernels"])))
-    wins = defaults_win(written, replay.selection)      # what a build with --log builds
+                tuned_kernels=len(tuned.program(*key).metadata["kernels"]),
+                **{f"{build}_at_end_cycles": c.total_cycles
+                   for (build, prefetch), c in measured.items() if prefetch == AT_END}))
+    builds = best_builds(written, replay.selection)     # what a build with --log builds
     for row in rows:
-        row["replayed"] = DEFAULTS if program_workload(row["program"], identity) in wins \
-            else TUNED
+        row["replayed"], row["prefetch"] = builds.get(
+            program_workload(row["program"], identity), (TUNED, SPREAD))
     return rows
 
 
@@ -290,14 +307,15 @@ def _merge(reps: list, seconds: float) -> dict:
     return out
 
 
-def program_counters(mc, key):
+def program_counters(mc, key, spread: bool | None = None):
     """The measured Counters of the whole linked phase program ``key`` of compiler ``mc``
-    (its kernels with cross-kernel prefetch, at the bucket's full KV capacity)."""
+    (its kernels with cross-kernel prefetch, at the bucket's full KV capacity; ``spread``:
+    see :meth:`~edgetvm.build.compiler.ModelCompiler.program`)."""
     from edgetvm.build.measure import measure_program
     from edgetvm.target.emulator import Emulator
 
-    return measure_program(mc.program(*key), mc.graph(*key), mc.layout,
-                           Emulator(mc.spec, mc.profile))
+    program = mc.program(*key) if spread is None else mc.program(*key, spread=spread)
+    return measure_program(program, mc.graph(*key), mc.layout, Emulator(mc.spec, mc.profile))
 
 
 def make_measurer(mc, tasks, profile, workers=1, rpc_tracker=None, rpc_key=None,

@@ -74,6 +74,11 @@ PARTITION = "partition"
 #: by ``edgetvm.tune`` at its end, read by :meth:`Replay.builds_defaults`
 PROGRAM = "program"
 TUNED, DEFAULTS = "tuned", "defaults"
+#: where a program record's cross-kernel prefetches went (``knobs["prefetch"]``; records
+#: without it: spread): blocks spread under a compute-bound kernel where the linker's
+#: estimate says so, or each at the end of the kernel before
+#: (:class:`~edgetvm.build.link.Linker`)
+SPREAD, AT_END = "spread", "end"
 
 
 class TuningLogError(EdgeTVMError):
@@ -353,10 +358,12 @@ class Replay:
         #: a whole-program measurement applies to this selection only
         self.selection = hashlib.sha256("\n".join(sorted(
             f"{w}:{r.knobs_key}" for w, r in self.best.items())).encode()).hexdigest()
-        #: the workloads (:func:`program_workload`) of the phase programs the log
-        #: measured slower tuned than with the defaults (or tuned over the power budget
-        #: where the defaults were not), for this selection: :meth:`builds_defaults`
-        self.defaults_win = frozenset(defaults_win(records, self.selection))
+        #: workload (:func:`program_workload`) -> (build, prefetch) of the phase programs
+        #: the log measured faster, for this selection, built otherwise than tuned with
+        #: their prefetches spread (:func:`best_builds`): :meth:`builds_defaults`,
+        #: :meth:`spreads`
+        self.builds = best_builds(records, self.selection)
+        self.defaults_win = frozenset(w for w, (b, _) in self.builds.items() if b == DEFAULTS)
         self.used: dict = {}          # workload -> Record, the kernels replayed
 
     def __call__(self, kernel_key: str):
@@ -369,13 +376,21 @@ class Replay:
     @property
     def compiler_options(self) -> dict:
         """The :class:`~edgetvm.build.compiler.ModelCompiler` keywords that replay this
-        log: its knobs, its cuts, and the programs it builds with the defaults."""
-        return dict(knobs_for=self, cuts_for=self.cuts_for, defaults_for=self.builds_defaults)
+        log: its knobs, its cuts, the programs it builds with the defaults and those it
+        links with every prefetch at the end of the kernel before."""
+        return dict(knobs_for=self, cuts_for=self.cuts_for, defaults_for=self.builds_defaults,
+                    spread_for=self.spreads)
 
     def builds_defaults(self, name: str, identity: dict) -> bool:
         """Did the log measure program ``name`` of a compiler of ``identity`` (its
         ``build_identity()``) faster with the defaults, for this replay's selection?"""
         return program_workload(name, identity) in self.defaults_win
+
+    def spreads(self, name: str, identity: dict) -> bool:
+        """May program ``name`` of a compiler of ``identity`` spread its prefetches (the
+        linker's choice), or did the log measure it faster with each at the end of the
+        kernel before?"""
+        return self.builds.get(program_workload(name, identity), (TUNED, SPREAD))[1] != AT_END
 
     def cuts_for(self, run_key: str):
         """The logged best cuts of the run ``run_key`` (None: the log has none)."""
@@ -395,35 +410,48 @@ class Replay:
 
 def program_record(context: LogContext, name: str, identity: dict, selection: str,
                    build: str, cycles: int, dram_bytes: int, peak_power_mw: float,
-                   over_budget: bool = False) -> Record:
+                   over_budget: bool = False, prefetch: str = SPREAD) -> Record:
     """The :data:`PROGRAM` record of phase program ``name`` of a compiler of
     ``identity`` measured whole as replay ``selection`` builds it (``build``:
-    :data:`TUNED`) or with the defaults (:data:`DEFAULTS`)."""
+    :data:`TUNED`) or with the defaults (:data:`DEFAULTS`), its prefetches placed as
+    ``prefetch`` says (:data:`SPREAD` or :data:`AT_END`)."""
+    if prefetch not in (SPREAD, AT_END):
+        raise ValueError(f"prefetch {prefetch!r} is neither {SPREAD!r} nor {AT_END!r}")
     return Record(context, program_workload(name, identity), PROGRAM, name,
-                  {"selection": selection, "build": build, **identity},
+                  {"selection": selection, "build": build, "prefetch": prefetch, **identity},
                   OVER_BUDGET if over_budget else OK, int(cycles),
                   dram_bytes=int(dram_bytes), peak_power_mw=round(float(peak_power_mw), 3))
 
 
-def defaults_win(records: list, selection: str) -> set:
-    """The workloads of the programs whose latest :data:`PROGRAM` records for
-    ``selection`` say the defaults are the better build: faster, or the tuned program
-    over the budget (beyond what the governor corrects) where the defaults are not."""
-    latest: dict = {}                    # (workload, build) -> Record
+#: the builds of a program, the one a tie goes to first: the tuned one linked as the
+#: linker chooses, unless another measured better
+_BUILDS = ((TUNED, SPREAD), (TUNED, AT_END), (DEFAULTS, SPREAD), (DEFAULTS, AT_END))
+
+
+def best_builds(records: list, selection: str) -> dict:
+    """workload -> (build, prefetch) of the programs whose latest :data:`PROGRAM` records
+    for ``selection`` say a build other than the tuned one with spread prefetches is
+    better: of the builds measured, the fastest within the budget (beyond what the
+    governor corrects), or the fastest if none is; a tie goes to the earlier of
+    :data:`_BUILDS`. A program whose tuned, spread build was not measured is not judged."""
+    latest: dict = {}                    # (workload, build, prefetch) -> Record
     for r in records:
         if r.kind != PROGRAM or not isinstance(r.knobs, dict) or \
                 r.knobs.get("selection") != selection or r.status not in (OK, OVER_BUDGET):
             continue
-        k = (r.workload, r.knobs.get("build"))
+        k = (r.workload, r.knobs.get("build"), r.knobs.get("prefetch", SPREAD))
+        if k[1:] not in _BUILDS:
+            continue
         cur = latest.get(k)
         if cur is None or (r.time, -r.cycles) > (cur.time, -cur.cycles):
             latest[k] = r
-    out = set()
-    for (workload, build), tuned in latest.items():
-        defaults = latest.get((workload, DEFAULTS))
-        if build != TUNED or defaults is None:
+    out = {}
+    for workload in sorted({w for w, _, _ in latest}):
+        measured = [(b, latest[(workload, *b)]) for b in _BUILDS if (workload, *b) in latest]
+        if measured[0][0] != _BUILDS[0]:
             continue
-        if (tuned.status, defaults.status) == (OVER_BUDGET, OK) or \
-                (tuned.status == defaults.status and defaults.cycles < tuned.cycles):
-            out.add(workload)
+        best = min(measured, key=lambda m: (m[1].status != OK, m[1].cycles,
+                                            _BUILDS.index(m[0])))[0]
+        if best != _BUILDS[0]:
+            out[workload] = best
     return out

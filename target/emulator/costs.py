@@ -126,6 +126,18 @@ def tcm_traffic(cmd, spec) -> tuple:
     return 0, 0
 
 
+def dma_bytes(cmd) -> int:
+    """Bytes a DMA moves: its TCM side's (a load's destination, a store's source)."""
+    return tcm_bytes(cmd.dst if isinstance(cmd, DmaLoad) else cmd.src)
+
+
+def dma_estimate(cmd, spec) -> float:
+    """A DMA's cycles as a scheduler or linker estimates them, never as the emulator
+    charges them (bursts, a channel's share of the bus, contention): its set-up, then its
+    bytes at the whole bus's rate."""
+    return spec.dma_setup_cycles + dma_bytes(cmd) / spec.dram_bytes_per_cycle
+
+
 def dma_tcm_traffic(cmd, rows: int) -> tuple:
     """(TCM bytes read, written) by a DMA of ``rows`` rows: a load writes the TCM, a store
     reads it."""

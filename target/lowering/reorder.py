@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import heapq
 
-from ..emulator.costs import command_cycles
-from ..isa import ITEMSIZE, DmaLoad, DmaStore
+from ..emulator.costs import command_cycles, dma_estimate
+from ..isa import DmaLoad, DmaStore
 from .sync import accesses, earlier_sharers, overlap
 
 #: ``npu.list_schedule`` value: list-schedule only if the plan estimates it faster
@@ -93,9 +93,7 @@ def estimated_cycles(cmds, spec) -> float:
     total = 0.0
     for cmd in cmds:
         if isinstance(cmd, (DmaLoad, DmaStore)):
-            ref = cmd.dst if isinstance(cmd, DmaLoad) else cmd.src     # the TCM side
-            nbytes = ref.shape[0] * ref.shape[1] * ITEMSIZE[ref.dtype]
-            total += spec.dma_setup_cycles + nbytes / spec.dram_bytes_per_cycle
+            total += dma_estimate(cmd, spec)
         else:
             total += command_cycles(cmd, spec)
     return total

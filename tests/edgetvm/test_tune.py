@@ -630,6 +630,72 @@ def test_a_program_the_log_measured_slower_tuned_is_built_with_the_defaults(tune
     assert rp3.selection != rp.selection and untuned(rp3) == set()
 
 
+def test_a_program_measured_faster_with_its_prefetches_at_the_end_is_linked_so(
+        tuned, tmp_path, monkeypatch, capsys):
+    """Where the linker spread a program's prefetches under the kernel before, a tune's
+    whole-program step measures it with each at that kernel's end too (the cycles a
+    compiler linking it so measures), and a build with --log links every program as its
+    records say: here a later record says one program is faster at the end. The tiny
+    kernels are never compute-bound: spreading is forced, as in test_phase_programs."""
+    import shutil
+
+    from edgetvm.build import link
+    from edgetvm.runtime.artifact import load_artifact, program_file
+    from edgetvm.runtime.model import program_name
+    from edgetvm.tune.cli import program_counters
+    from edgetvm.tune.log import AT_END, PROGRAM, SPREAD, TUNED, program_record
+    d0, _ = tuned
+    assert not any(r.knobs.get("prefetch") == AT_END for r in TuningLog(d0).records()
+                   if r.kind == PROGRAM)             # nothing the tiny kernels spread
+    d = str(tmp_path / "log")
+    shutil.copytree(d0, d)
+    monkeypatch.setattr(link.Linker, "_has_dma_slack", lambda self, body, hoisted: True)
+    monkeypatch.setattr(link.Linker, "_tail_hides", lambda self, tail, loads: False)
+    monkeypatch.setattr(link, "SPREAD_BLOCK_BYTES", 2048)
+    rep = tune(LLAMA, **SMALL, trials=0, log_dir=d, progress=False)
+    ctx = log_context(LLAMA, load_spec("edge-npu-16mb"), None, None)
+    rp = Replay(d, ctx)
+    ident = {"strategy": "regions", "max_tokens": 64, "max_rows": 16}
+    end = ModelCompiler(LLAMA, max_tokens=64, max_rows=16,
+                        **dict(rp.compiler_options, defaults_for=None, spread_for=None))
+    rows = {r["program"]: r for r in rep["phases"]}
+    spread = [n for n, r in rows.items() if "tuned_at_end_cycles" in r]
+    assert spread and all("defaults_at_end_cycles" in rows[n] for n in spread)
+    keys = {program_name(k): k for k in end.phase_keys((8, 16))}
+    for n in spread:                    # measured unspread: what a compiler so links
+        assert program_counters(end, keys[n], spread=False).total_cycles == \
+            rows[n]["tuned_at_end_cycles"]
+        assert (rows[n]["prefetch"] == AT_END) == (not rp.spreads(n, ident))
+    # spread under kernels that are not compute-bound, the programs measured faster
+    # unspread; a later measurement says one of them is faster spread
+    assert any(rows[n]["prefetch"] == AT_END for n in spread)
+    victim = next(n for n in spread if rows[n]["replayed"] == TUNED and
+                  rows[n]["prefetch"] == AT_END)
+    fastest = min(v for k, v in rows[victim].items() if k.endswith("cycles"))
+    with TuningLog(d) as tl:
+        tl.append(program_record(ctx, victim, ident, rp.selection, TUNED, fastest - 1,
+                                 1, 1.0, prefetch=SPREAD))
+    rp = Replay(d, ctx)
+    at_end = {n for n in keys if not rp.spreads(n, ident)}
+    assert victim not in at_end and at_end == {n for n in spread if n != victim and
+                                               rows[n]["prefetch"] == AT_END}
+    m = build(LLAMA, str(tmp_path / "a.npu"), **SMALL, progress=False, log_dir=d, jobs=1)
+    assert m["tuning"]["programs_prefetch_at_end"] == sorted(at_end)
+    build(LLAMA, str(tmp_path / "s.npu"), **SMALL, progress=False, log_dir=d0, jobs=1)
+    monkeypatch.setattr(link.Linker, "_has_dma_slack", lambda self, body, hoisted: False)
+    build(LLAMA, str(tmp_path / "e.npu"), **SMALL, progress=False, log_dir=d0, jobs=1)
+    a, s, e = (load_artifact(str(tmp_path / f)) for f in ("a.npu", "s.npu", "e.npu"))
+    for name, key in keys.items():
+        want = e if name in at_end else s
+        assert a._read(program_file(key)) == want._read(program_file(key)), name
+    assert s._read(program_file(keys[victim])) != e._read(program_file(keys[victim]))
+    monkeypatch.setattr(link.Linker, "_has_dma_slack", lambda self, body, hoisted: True)
+    assert build_main([LLAMA, "-o", str(tmp_path / "cli.npu"), "--buckets", "8,16",
+                       "--max-tokens", "64", "--log", d]) == 0
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "at the end of" in ln]
+    assert len(said) == 1 and set(said[0].split(": ")[-1].split(", ")) == at_end
+
+
 def test_tune_with_no_trials_measures_only_the_whole_programs(tuned, tmp_path, capsys):
     """--trials 0: no candidate, only the whole programs against the log (as at a tune's
     end), logged again with the same cycles; an empty log is refused, not a traceback."""
@@ -871,9 +937,10 @@ def test_the_shipped_log_of_the_bundled_example_replays():
     # every program measured whole for this selection (tune --trials 0), each faster
     # tuned: none is built with the defaults, not even those whose tuned peak is over
     # the budget (the governor corrects it; its cost is in the cycles)
-    from edgetvm.tune.log import PROGRAM, TUNED
+    from edgetvm.tune.log import PROGRAM, SPREAD, TUNED
     whole = {r.name: r for r in TuningLog(d).records() if r.kind == PROGRAM and
-             r.knobs["selection"] == replay.selection and r.knobs["build"] == TUNED}
+             r.knobs["selection"] == replay.selection and r.knobs["build"] == TUNED and
+             r.knobs.get("prefetch", SPREAD) == SPREAD}
     assert {f"{p}_{r}x{g}p" for p, r, g in plain.phase_keys((16, 32, 64, 128, 256, 512))} \
         <= set(whole)
     assert whole["decode_1x64p"].cycles == t.total_cycles
@@ -882,6 +949,8 @@ def test_the_shipped_log_of_the_bundled_example_replays():
                                                           "max_rows")}
     assert ident == dict(plain.build_identity(), max_rows=512)   # the tune's: every bucket
     assert not any(replay.builds_defaults(n, ident) for n in whole)
+    # the prefetches spread where the linker spread them (prefill 256) measured faster
+    assert all(replay.spreads(n, ident) for n in whole)
 
 
 def test_over_the_budget_means_beyond_what_the_governor_corrects():

@@ -263,3 +263,50 @@ def test_program_records_decide_which_programs_a_replay_builds_with_the_defaults
         tl.append(rec(2, 40, workload=workload_hash("K")))
     r = Replay(d, CTX)
     assert r.selection != sel and not any(r.builds_defaults(n, ident) for n in names)
+
+
+def test_program_records_decide_where_a_replay_links_the_prefetches(tmp_path):
+    """Where a program was measured with its prefetches spread and with each at the end of
+    the kernel before, in either build: the fastest within the budget is built (the
+    fastest of all if none is within it), a tie going to the tuned, spread build, then the
+    tuned one at the end; a record without a placement is of a spread build; without the
+    tuned, spread build's record nothing is judged."""
+    from edgetvm.tune.log import AT_END, DEFAULTS, SPREAD, TUNED, program_record
+    d = str(tmp_path / "log")
+    with TuningLog(d) as tl:
+        tl.append(rec(1, 50, workload=workload_hash("K")))
+    sel = Replay(d, CTX).selection
+    ident = {"strategy": "local", "max_tokens": 1024, "max_rows": 512}
+
+    def prog(name, build, prefetch, cycles, over=False, t=0.0):
+        r = program_record(CTX, name, ident, sel, build, cycles, 10, 500.0,
+                           over_budget=over, prefetch=prefetch)
+        return dataclasses.replace(r, time=1000.0 + t)
+
+    def unplaced(r):                              # as records were before placements
+        return dataclasses.replace(r, knobs={k: v for k, v in r.knobs.items()
+                                             if k != "prefetch"})
+
+    T, D, S, E = TUNED, DEFAULTS, SPREAD, AT_END
+    with TuningLog(d) as tl:
+        for r in (prog("a", T, S, 100), prog("a", T, E, 90), prog("a", D, S, 120),
+                  prog("b", T, S, 100), prog("b", T, E, 100),                   # a tie
+                  prog("c", T, S, 100), prog("c", D, S, 120), prog("c", D, E, 95),
+                  prog("c", T, E, 101),
+                  prog("d", T, S, 100, over=True), prog("d", T, E, 80, over=True),
+                  prog("d", D, S, 110), prog("d", D, E, 105, over=True),
+                  prog("e", T, E, 50), prog("e", D, S, 100),          # no tuned, spread
+                  unplaced(prog("f", T, S, 100)), prog("f", T, E, 120),
+                  prog("f", T, E, 99, t=1),                           # measured again
+                  prog("g", T, S, 100, over=True), prog("g", T, E, 90, over=True),
+                  prog("h", T, S, 100), prog("h", D, E, 100)):                  # a tie
+            tl.append(r)
+    r = Replay(d, CTX)
+    assert r.selection == sel
+    names = "abcdefgh"
+    assert [n for n in names if not r.spreads(n, ident)] == ["a", "c", "f", "g"]
+    assert [n for n in names if r.builds_defaults(n, ident)] == ["c", "d"]
+    assert r.compiler_options["spread_for"]("b", ident)
+    assert not r.spreads("a", ident) and r.spreads("a", dict(ident, strategy="mega"))
+    with pytest.raises(ValueError, match="prefetch"):
+        program_record(CTX, "a", ident, sel, T, 1, 1, 1.0, prefetch="middle")
