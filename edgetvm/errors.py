@@ -72,6 +72,17 @@ def check_output_file(path: str, option: str) -> None:
         raise EdgeTVMError(f"{option} {path}: not writable")
 
 
+def check_not_overwriting(path: str, option: str, inputs: list, suggestion: str) -> None:
+    """Refuse, before any work, an output ``path`` (given by ``option``) that is a file the
+    command reads: ``inputs`` are (what it is, its path) pairs, e.g. ("the model being
+    built", "m.onnx"); writing ``path`` would destroy it."""
+    if not path or not os.path.exists(path):
+        return
+    for what, other in inputs:
+        if other and os.path.exists(other) and os.path.samefile(path, other):
+            raise EdgeTVMError(f"{option} {path} is {what}; name another file ({suggestion})")
+
+
 def check_input_file(path: str, what: str = "an .onnx file") -> None:
     """Refuse, before any work, an input file that is missing or a directory."""
     if os.path.isdir(path):

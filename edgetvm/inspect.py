@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.length is not None and args.phase != "prefill":
         parser.error("--length is the prefill's tokens: it goes with --phase prefill")
     length = 128 if args.length is None else args.length
-    if length < 1 or (args.max_tokens is not None and args.max_tokens < 2):
-        parser.error("--length must be >= 1 and --max-tokens >= 2")
+    if length < 1 or (args.max_tokens is not None and args.max_tokens < 1):
+        parser.error("--length and --max-tokens must be >= 1")
     try:
         if args.model.endswith(".npu") and os.path.isfile(args.model):
             raise EdgeTVMError(f"{args.model}: a built artifact (model.npu); inspect reads "
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         dims = _parse_dims(args.dim)
         from edgetvm.build.compiler import MAX_KV_TOKENS
         if args.max_tokens is not None and args.max_tokens > MAX_KV_TOKENS:
-            raise EdgeTVMError(f"--max-tokens must be in 2..{MAX_KV_TOKENS}")
+            raise EdgeTVMError(f"--max-tokens must be in 1..{MAX_KV_TOKENS}")
         # the compiled path first: it knows the KV capacity the model allows (a learned
         # position table), at which the FLOPs are counted
         compiled, capacity = (None, None) if args.no_compile else \

@@ -32,7 +32,8 @@ import numpy as np
 
 from edgetvm import interrupt
 from edgetvm.collector import fewer_collections
-from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
+from edgetvm.errors import (EdgeTVMError, check_input_file, check_not_overwriting,
+                            check_output_file)
 from edgetvm.build.cli import (add_build_options, check_build_options, comma_ints, ints_option,
                                print_host_ops, quantizer_of)
 
@@ -265,6 +266,14 @@ def main(argv=None) -> int:
             # everything that can be refused is refused before the build and the run
             if args.trace:
                 check_output_file(args.trace, "--trace")
+                from edgetvm.build.fingerprint import model_files
+                read = model_files(args.model, "the model being run")
+                if args.check_onnx:
+                    read += model_files(_check_onnx_path(args), "the --check-onnx model")
+                if args.log:
+                    from edgetvm.tune.log import LOG_FILE
+                    read.append(("the tuning log", os.path.join(args.log, LOG_FILE)))
+                check_not_overwriting(args.trace, "--trace", read, "step.json")
             if not is_artifact:
                 check_input_file(args.model)
             reference = _reference_runner(args) if args.check_onnx else None

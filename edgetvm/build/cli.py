@@ -11,7 +11,8 @@ import time
 
 from edgetvm import interrupt
 from edgetvm.collector import fewer_collections
-from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
+from edgetvm.errors import (EdgeTVMError, check_input_file, check_not_overwriting,
+                            check_output_file)
 
 from .fingerprint import describe_quantize, model_sha256
 
@@ -230,17 +231,12 @@ def main(argv=None) -> int:
         ap.error("--jobs must be >= 1")
     try:
         check_output_file(args.output, "-o")
-        if os.path.exists(args.output) and os.path.isfile(args.model):
+        if os.path.exists(args.output):
             # the zip would replace the model, or the weights it keeps beside itself
-            if os.path.samefile(args.output, args.model):
-                raise EdgeTVMError(f"-o {args.output} is the model being built; name "
-                                   f"another file (model.npu)")
-            from .fingerprint import external_data_files
-            if any(os.path.samefile(args.output, f) for f in
-                   external_data_files(args.model) if os.path.exists(f)):
-                raise EdgeTVMError(f"-o {args.output} holds the weights of the model being "
-                                   f"built (its external data); name another file "
-                                   f"(model.npu)")
+            from .fingerprint import model_files
+            check_not_overwriting(args.output, "-o",
+                                  model_files(args.model, "the model being built"),
+                                  "model.npu")
         with interrupt.watching():
             m = build(args.model, args.output, target=args.target, profile=args.profile,
                       strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,

@@ -26,6 +26,21 @@ def _hash_file(h, path: str) -> bool:
     return found
 
 
+def model_files(onnx_path: str, what: str) -> list:
+    """(what it is, path) of the files of the ONNX model ``onnx_path`` (``what``: e.g.
+    "the model being built"): itself and the files of its external data, for
+    :func:`~edgetvm.errors.check_not_overwriting`. A file that is not an ONNX model
+    is only itself (it is refused as a model elsewhere)."""
+    out = [(what, onnx_path)]
+    if not onnx_path.endswith(".npu") and os.path.isfile(onnx_path):
+        try:
+            data = external_data_files(onnx_path)
+        except Exception:                   # not ONNX: the model is refused elsewhere
+            data = []
+        out += [(f"the external data (weights) of {what}", f) for f in data]
+    return out
+
+
 def external_data_files(onnx_path: str) -> list:
     """The files (absolute paths, sorted) that hold the weights ``onnx_path`` stores
     outside itself (ONNX external data)."""

@@ -115,6 +115,11 @@ def read_onnx_file(path: str) -> onnx.ModelProto:
     try:
         return onnx.load(path)
     except DecodeError as err:
+        import zipfile
+        if zipfile.is_zipfile(path):
+            raise ModelImportError(
+                f"{path}: a zip archive, not an ONNX model (a model.npu that "
+                f"python -m edgetvm.build wrote? python -m edgetvm.run runs it)") from None
         # Truncated files and foreign bytes both end here: protobuf cannot tell them apart.
         raise ModelImportError(
             f"{path}: not a readable ONNX model (truncated or not ONNX at all): {err}"

@@ -10,7 +10,8 @@ import sys
 
 from edgetvm import interrupt
 from edgetvm.collector import fewer_collections
-from edgetvm.errors import EdgeTVMError, check_input_file, check_output_file
+from edgetvm.errors import (EdgeTVMError, check_input_file, check_not_overwriting,
+                            check_output_file)
 from edgetvm.runtime.model import program_name
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -372,7 +373,13 @@ def _tune_cli(args, phases) -> dict:
     """:func:`tune` with the command line's options."""
     from edgetvm.build.cli import quantizer_of
     if args.report_json:
+        from edgetvm.build.fingerprint import model_files
+
+        from .log import LOG_FILE
         check_output_file(args.report_json, "--report-json")
+        check_not_overwriting(args.report_json, "--report-json", model_files(
+            args.model, "the model being tuned") + [
+                ("the tuning log", os.path.join(args.log, LOG_FILE))], "report.json")
     return tune(args.model, target=args.target, profile=args.profile,
                 strategy=args.strategy, buckets=args.buckets, chunk=args.chunk,
                 quantize=quantizer_of(args), max_tokens=args.max_tokens, phases=phases,
@@ -479,6 +486,11 @@ def main(argv=None) -> int:
                              not args.rpc_tracker.rsplit(":", 1)[1].isdigit()):
         ap.error(f"--rpc-tracker: expected HOST:PORT, got {args.rpc_tracker!r}")
     phases = [p.strip() for p in args.phases.split(",") if p.strip()] if args.phases else None
+    parent = os.path.dirname(os.path.abspath(args.log))
+    if not os.path.exists(args.log) and not os.path.isdir(parent):
+        # a mistyped path would start a new, empty log somewhere else
+        ap.error(f"--log {args.log}: no directory {parent} (a new log's directory is "
+                 f"created, not its parents)")
     try:
         with interrupt.watching():
             rep = _tune_cli(args, phases)

@@ -202,11 +202,11 @@ class TuningLog:
         self.dir = directory
         self.path = os.path.join(directory, LOG_FILE)
         if not os.path.isdir(directory):
-            if not create:
-                raise TuningLogError(f"{directory}: no such tuning log directory")
             if os.path.exists(directory):
                 raise TuningLogError(f"{directory}: not a directory (a tuning log is a "
                                      f"directory holding {LOG_FILE})")
+            if not create:
+                raise TuningLogError(f"{directory}: no such tuning log directory")
             try:
                 os.makedirs(directory, exist_ok=True)
             except OSError as e:

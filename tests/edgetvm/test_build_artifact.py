@@ -271,6 +271,35 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, c
     assert build_main([str(model), "-o", str(model)]) == 1
     assert "is the model being built" in capsys.readouterr().err
     assert model.read_bytes() == pathlib.Path(LLAMA).read_bytes()
+    # ... nor is a trace or a report written over a file the command reads: the model,
+    # an artifact, the --check-onnx model, the tuning log
+    log = tmp_path / "tl"
+    log.mkdir()
+    (log / "records.jsonl").write_bytes(b"")
+    art = tmp_path / "a.npu"
+    art.write_bytes(b"not yet")
+    run = ["--prompt-ids", "1,2", "--max-new-tokens", "1", "--trace"]
+    for argv, main, code, said in (
+            ([str(model), *run, str(model)], run_main, 2, "--trace %s is the model being run"),
+            ([str(art), *run, str(art)], run_main, 2, "--trace %s is the model being run"),
+            ([LLAMA, "--check-onnx", str(model), *run, str(model)], run_main, 2,
+             "--trace %s is the --check-onnx model"),
+            ([LLAMA, "--log", str(log), *run, str(log / "records.jsonl")], run_main, 2,
+             "--trace %s is the tuning log"),
+            ([str(model), "--trials", "1", "--log", str(log), "--report-json", str(model)],
+             tune_main, 1, "--report-json %s is the model being tuned"),
+            (["--trials", "1", "--log", str(log), "--report-json",
+              str(log / "records.jsonl")], tune_main, 1, "--report-json %s is the tuning log")):
+        before = pathlib.Path(argv[-1]).read_bytes()
+        assert main(argv) == code, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: " + said % argv[-1]), err
+        assert pathlib.Path(argv[-1]).read_bytes() == before
+    # a --log whose parent is missing (a typo) is not created
+    with pytest.raises(SystemExit) as e:
+        tune_main(["--trials", "1", "--log", str(missing / "log")])
+    assert e.value.code == 2
+    assert "no directory" in capsys.readouterr().err and not missing.exists()
     # an empty path; a device or pipe (replaced by the zip, as root even /dev/full)
     assert build_main([LLAMA, "-o", ""]) == 1
     assert "-o: an empty path" in capsys.readouterr().err
@@ -340,7 +369,7 @@ def test_a_model_with_external_data_is_its_graph_and_its_weights(tmp_path, monke
     assert len(list((tmp_path / "cache").glob("*.npu"))) == 2
     before = data.read_bytes()
     assert build_main([str(path), "-o", str(data)]) == 1
-    assert "holds the weights of the model being built" in capsys.readouterr().err
+    assert "is the external data (weights) of the model being built" in capsys.readouterr().err
     assert data.read_bytes() == before
     data.unlink()
     assert build_main([str(path), "-o", str(tmp_path / "m.npu")]) == 1

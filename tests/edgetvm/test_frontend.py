@@ -569,6 +569,17 @@ def test_garbage_files(tmp_path, content, problem):
     assert str(path) in str(info.value)
 
 
+def test_a_zip_archive_is_named_as_one(tmp_path):
+    """A model.npu (a zip) given where an ONNX file goes is said to be one."""
+    import zipfile
+    path = tmp_path / "model.npu"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("manifest.json", "{}")
+    with pytest.raises(ModelImportError, match=r"model\.npu: a zip archive, not an ONNX "
+                                               r"model .*edgetvm\.run"):
+        import_onnx(path)
+
+
 @pytest.mark.parametrize("fraction", [0.01, 0.5, 0.999])
 def test_truncated_file(tmp_path, fraction):
     data = model_path("llama_tiny_with_past.onnx").read_bytes()

@@ -194,6 +194,8 @@ def test_a_log_path_that_is_a_file_is_refused_before_anything_is_measured(tmp_pa
     f.write_text("not a directory\n")
     with pytest.raises(TuningLogError, match="not a directory"):
         TuningLog(str(f))
+    with pytest.raises(TuningLogError, match="not a directory"):     # to replay (build)
+        Replay(str(f), CTX)
     with pytest.raises(TuningLogError, match="cannot create"):
         TuningLog(str(f / "below"))
     assert f.read_text() == "not a directory\n"

@@ -262,7 +262,7 @@ def test_cli_names_an_artifact_and_a_kv_capacity_it_cannot_take(tmp_path, capsys
         capsys.readouterr().err
     assert edge_inspect.main([str(MODELS / "llama_tiny_decode_p8.onnx"), "--max-tokens",
                               "100000"]) == 2
-    assert "--max-tokens must be in 2..16384" in capsys.readouterr().err
+    assert "--max-tokens must be in 1..16384" in capsys.readouterr().err
 
 
 def test_cli_bad_dim_exits_2(tmp_path, capsys):
