@@ -279,8 +279,10 @@ def main(argv=None) -> int:
             reference = _reference_runner(args) if args.check_onnx else None
             theirs = reference[1].vocab if reference else None
             if not is_artifact:
-                from edgetvm.generate import KVSpec
-                _check_vocab(lambda: KVSpec.of(args.model).vocab, theirs, args)
+                from edgetvm.generate import KVSpec, check_vocab
+                vocab = KVSpec.of(args.model).vocab
+                _check_vocab(lambda: vocab, theirs, args)
+                check_vocab(args.prompt_ids, vocab)      # before a build, not after it
             if args.reference:
                 recs, quantized = run_reference(args)
             else:

@@ -217,6 +217,8 @@ def test_run_refuses_what_check_onnx_cannot_compare_before_running(monkeypatch, 
     with pytest.raises(SystemExit):                    # would run token 2047
         main([MODEL, "--prompt-ids", "-1"])
     assert "token ids are >= 0, got [-1]" in capsys.readouterr().err
+    assert main([MODEL, "--prompt-ids", "5,512"]) == 2          # not after a build
+    assert "token id(s) [512] out of the vocabulary (512)" in capsys.readouterr().err
     # the reference path refuses what the compiled one does, before any step (it ran
     # 1,022 steps, then failed; or failed inside the emulator on an id out of range)
     monkeypatch.undo()
