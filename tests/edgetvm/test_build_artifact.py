@@ -295,6 +295,15 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, c
         err = capsys.readouterr().err
         assert err.startswith("error: " + said % argv[-1]), err
         assert pathlib.Path(argv[-1]).read_bytes() == before
+    # the same file by another name: a relative path, a symbolic link
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(log / "records.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert build_main([str(model), "-o", "./m.onnx"]) == 1
+    assert "-o ./m.onnx is the model being built" in capsys.readouterr().err
+    assert run_main([LLAMA, "--log", str(log), *run, str(link)]) == 2
+    assert f"--trace {link} is the tuning log" in capsys.readouterr().err
+    assert model.read_bytes() == pathlib.Path(LLAMA).read_bytes() and link.is_symlink()
     # a --log whose parent is missing (a typo) is not created
     with pytest.raises(SystemExit) as e:
         tune_main(["--trials", "1", "--log", str(missing / "log")])
