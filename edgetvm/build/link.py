@@ -197,7 +197,10 @@ class Linker:
     -> 50.38 M), the bundled example's prefill 256 374,549 -> 364,774; its other programs,
     SmolLM2's decode and W4A16 prefill, whose prefetches their tails hide or whose kernels
     are bandwidth-bound, unchanged. Where the blocks go is estimated by the cost formulas
-    (a linker measures nothing); the emulator measures what it gains."""
+    (a linker measures nothing); the emulator measures what it gains, and a tune measures
+    each program it spread both ways and logs which a build links
+    (:func:`edgetvm.tune.cli.validate_programs`; ``spread_prefetches`` in the program's
+    metadata counts the loads moved)."""
 
     def __init__(self, graph: PhaseGraph, plan: DramPlan, spec, name: str, prefetch=True,
                  spread: bool = True):
