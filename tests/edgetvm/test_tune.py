@@ -635,8 +635,9 @@ def test_a_program_measured_faster_with_its_prefetches_at_the_end_is_linked_so(
     """Where the linker spread a program's prefetches under the kernel before, a tune's
     whole-program step measures it with each at that kernel's end too (the cycles a
     compiler linking it so measures), and a build with --log links every program as its
-    records say: here a later record says one program is faster at the end. The tiny
-    kernels are never compute-bound: spreading is forced, as in test_phase_programs."""
+    records say. The tiny kernels are never compute-bound: spreading is forced, as in
+    test_phase_programs, and the programs so spread measure faster at the end; a later
+    record says one of them is faster spread, and it is built spread."""
     import shutil
 
     from edgetvm.build import link
