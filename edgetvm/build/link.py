@@ -479,9 +479,9 @@ def _estimates(cmds, spec) -> tuple:
 
 def _row_blocks(cmd: DmaLoad, n: int, burst: int = 64) -> list:
     """``cmd`` as up to ``n`` loads of consecutive blocks, in order: of rows, or of a
-    one-row (contiguous) load's columns in whole ``burst``-byte bursts. The first keeps
-    its waits, the last its signals (a channel runs them in order, so the last one's
-    signal still says every block arrived)."""
+    one-row (contiguous) load's columns in whole ``burst``-byte bursts
+    (:func:`_split_dma`: the first keeps its waits, the last its signals; a channel runs
+    them in order, so the last one's signal still says every block arrived)."""
     rows, cols = (int(x) for x in cmd.src.shape)
     if n <= 1 or cmd.valid_rows is not None or tuple(cmd.dst.shape) != (rows, cols):
         return [cmd]
@@ -495,20 +495,13 @@ def _row_blocks(cmd: DmaLoad, n: int, burst: int = 64) -> list:
     if n <= 1:
         return [cmd]
     bounds = [min(extent, units * k // n * unit) for k in range(n + 1)]
-    out = []
-    for k in range(n):
-        a, b = bounds[k], bounds[k + 1]
+    pieces = []                       # (DRAM block, TCM rows r0, n, cols c0, m)
+    for a, b in zip(bounds, bounds[1:]):
         offset = _value(as_affine(cmd.src.offset) + a * step)
-        if rows > 1:
-            src = dataclasses.replace(cmd.src, shape=(b - a, cols), offset=offset)
-            dst = cmd.dst.rows(a, b - a)
-        else:
-            src = dataclasses.replace(cmd.src, shape=(1, b - a), offset=offset)
-            dst = cmd.dst.cols(a, b - a)
-        out.append(dataclasses.replace(cmd, src=src, dst=dst,
-                                       wait=cmd.wait if k == 0 else (),
-                                       signal=cmd.signal if k == n - 1 else ()))
-    return out
+        shape = (b - a, cols) if rows > 1 else (1, b - a)
+        block = dataclasses.replace(cmd.src, shape=shape, offset=offset)
+        pieces.append((block, a, b - a, 0, cols) if rows > 1 else (block, 0, 1, a, b - a))
+    return _split_dma(cmd, pieces)
 
 
 def _unblock_first_weights(prog):
