@@ -363,7 +363,6 @@ class Replay:
         #: their prefetches spread (:func:`best_builds`): :meth:`builds_defaults`,
         #: :meth:`spreads`
         self.builds = best_builds(records, self.selection)
-        self.defaults_win = frozenset(w for w, (b, _) in self.builds.items() if b == DEFAULTS)
         self.used: dict = {}          # workload -> Record, the kernels replayed
 
     def __call__(self, kernel_key: str):
@@ -384,13 +383,18 @@ class Replay:
     def builds_defaults(self, name: str, identity: dict) -> bool:
         """Did the log measure program ``name`` of a compiler of ``identity`` (its
         ``build_identity()``) faster with the defaults, for this replay's selection?"""
-        return program_workload(name, identity) in self.defaults_win
+        return self.build_of(name, identity)[0] == DEFAULTS
 
     def spreads(self, name: str, identity: dict) -> bool:
         """May program ``name`` of a compiler of ``identity`` spread its prefetches (the
         linker's choice), or did the log measure it faster with each at the end of the
         kernel before?"""
-        return self.builds.get(program_workload(name, identity), (TUNED, SPREAD))[1] != AT_END
+        return self.build_of(name, identity)[1] != AT_END
+
+    def build_of(self, name: str, identity: dict) -> tuple:
+        """(build, prefetch) of program ``name`` of a compiler of ``identity`` as the log
+        says to build it: tuned and spread unless it measured another build faster."""
+        return self.builds.get(program_workload(name, identity), (TUNED, SPREAD))
 
     def cuts_for(self, run_key: str):
         """The logged best cuts of the run ``run_key`` (None: the log has none)."""
