@@ -218,9 +218,10 @@ class Bench:
                     "w4a16" if op.stage.op == "linear_w4a16" else "fp16"]
                 cycles += rows * n * k / rate
             elif op.kind == "attention":
-                rows = int(op.inputs["q"].shape[0])
+                rows = graph.rows
                 keys = rows * cached + rows * (rows + 1) // 2
-                if i == attns[-1] and _last_row_only(graph.ops[i + 1:]):
+                if op.attrs.get("last_row") or (i == attns[-1] and
+                                                _last_row_only(graph.ops[i + 1:])):
                     keys = cached + rows                         # the last query's alone
                 cycles += (2 * keys * op.attrs["q_heads"] * op.attrs["head_dim"]
                            / spec.mma_macs_per_cycle["fp16"])

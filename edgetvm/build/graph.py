@@ -374,7 +374,7 @@ class _Extractor:
                 continue                     # the output tuple: its fields are seeded
             mine = wants.get(b.var)
             row_local = mine == {"last"} and self._row_local(b.var, b.value)
-            if row_local:
+            if row_local or (mine == {"last"} and self._attention_of_rows(b.var, b.value)):
                 last.add(b.var)
             rows = self._rows_of(b.var) if row_local else None
             for a in _vars_in(b.value):
@@ -399,6 +399,18 @@ class _Extractor:
                 getattr(self, f"_region_{region.kind}", None) is None and \
                 not any(passthrough_outputs(region.func))
         return name in _ELEMENTWISE | _HOST_OPS | {"relax.astype"}
+
+    def _attention_of_rows(self, var, value) -> bool:
+        """Is ``var`` an attention region's result over the bucket's rows, token-major
+        ((b, s, heads * d))? Its last row is the last query's attention
+        alone: a decode attention over the pages (:meth:`_region_attention`). Its q, K and
+        V are still demanded whole (the cache keeps every row's K and V)."""
+        if self.phase != "prefill" or not isinstance(value, relax.Call) or \
+                not isinstance(value.op, tvm.ir.Op) or value.op.name != "relax.call_pure_packed":
+            return False
+        region = self.regions.get(str(value.args[0].global_symbol))
+        return region is not None and region.kind == "attention" and \
+            not keeps_heads(region) and self._rows_of(var) == self.rows
 
     def _rows_of(self, var):
         """The product of a tensor var's leading dimensions in this bucket (None: not a
@@ -927,17 +939,34 @@ class _Extractor:
             else:
                 self.masks.append((mask.value, region.index))
         qv = _token_major(q.view, hq, d, self.rows, f"attention region {region.index}")
-        qshape = (hq, d) if self.phase == "decode" else (self.rows, hq, d)
         (shape,) = self._result_shapes(var)
+        cap = softcap(region)
+        attrs = {"q_heads": hq, "head_dim": d, "scale": scale,
+                 **({"softcap": cap} if cap else {})}
+        paged = {v.tensor for op in self.ops if op.kind == "kv_append" and op.layer == k.layer
+                 for v in op.inputs.values()}
+        if var in self.last_vars and qv.tensor not in paged:
+            # only the last row is read (the last layer, before the lm_head): the query at
+            # runtime row ``last_row``, position valid_len - 1, over the keys before it in
+            # the pages (written by this step's KV append), as a decode step attends. (Not
+            # when q shares a tensor with the new K and V, which go straight into the
+            # pages: a window at a runtime row of that tensor is not addressed; the
+            # consumers then read the last row of every row's attention.)
+            q_last = qv.slice(0, 0, 1).shifted(Affine.param("last_row", qv.strides[0]))
+            out = self._last(self.new_tensor(f"L{k.layer}.attn", (1, hq * d)), True)
+            self.ops.append(Op("attention", f"L{k.layer}.attention",
+                               {"q": q_last.squeeze([0])}, {"out": out.reshape((hq, d))},
+                               attrs={**attrs, "last_row": True},
+                               region=region.index, layer=k.layer))
+            self.attention_layers.append(k.layer)
+            return Dev(out.reshape((1,) * (len(shape) - 1) + (shape[-1],)))
+        qshape = (hq, d) if self.phase == "decode" else (self.rows, hq, d)
         out = self.new_tensor(f"L{k.layer}.attn", (self.rows, hq * d))
         outv = out.reshape(qshape)
         result = out.reshape(shape) if not keeps_heads(region) else \
             out.reshape((1, self.rows, hq, d)).permute((0, 2, 1, 3))   # (b, h, s, d)
-        cap = softcap(region)
         self.ops.append(Op("attention", f"L{k.layer}.attention", {"q": qv.reshape(qshape)},
-                           {"out": outv}, attrs={"q_heads": hq, "head_dim": d, "scale": scale,
-                                                 **({"softcap": cap} if cap else {})},
-                           region=region.index, layer=k.layer))
+                           {"out": outv}, attrs=attrs, region=region.index, layer=k.layer))
         self.attention_layers.append(k.layer)
         if tuple(result.shape) != tuple(shape):
             raise BuildError(f"attention region {region.index}: output {shape}, the kernel "

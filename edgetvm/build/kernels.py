@@ -311,7 +311,8 @@ class KernelBuilder:
         # keeps its key, and so its tuning-log records)
         extra = (("alibi",) if alibi else ()) + (("softcap", cap) if cap else ()) + \
             (("window", window) if window else ())
-        if graph.phase == "decode":
+        one_query = attention_kind(graph, op) == "decode_attention"
+        if one_query:
             key = repr(("decode_attention", DECODE_REVISION, hq, pages, scale, *extra))
         else:
             key = repr(("prefill_attention", PREFILL_REVISION, hq, graph.rows, pages, scale,
@@ -319,7 +320,7 @@ class KernelBuilder:
         knobs, replayed = self._knobs(key, knobs)
 
         def lower(kn):
-            if graph.phase == "decode":
+            if one_query:
                 sch = _apply(schedule_decode_attention, None, "decode attention", kn,
                              self.layout, hq, pages, self.spec, scale=scale, alibi=alibi,
                              softcap=cap, window=window)
@@ -337,8 +338,8 @@ class KernelBuilder:
         def build(kn):
             if kn is not None:
                 return lower(dict(kn))
-            kn = attention_default_knobs(graph.phase, graph.rows, pages, self.layout, hq,
-                                         self.spec)
+            kn = attention_default_knobs("decode" if one_query else graph.phase, graph.rows,
+                                         pages, self.layout, hq, self.spec)
             try:
                 return lower(kn)
             except CandidateRejected:
@@ -352,6 +353,13 @@ class KernelBuilder:
             bindings["slopes"] = op.inputs["slopes"]
         return Kernel(op.name, (index,), program, bindings,
                       state=_layer_state(op.layer), knobs=used, key=key)
+
+
+def attention_kind(graph, op) -> str:
+    """``decode_attention`` (one query: a decode step's, or a prefill's last row where only
+    its logits are read, ``graph.py``) or ``prefill_attention`` (a query per row)."""
+    one = graph.phase == "decode" or op.attrs.get("last_row")
+    return "decode_attention" if one else "prefill_attention"
 
 
 def attention_default_knobs(phase: str, rows: int, pages: int, layout: KVCacheLayout,

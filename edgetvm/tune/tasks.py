@@ -38,7 +38,8 @@ import numpy as np
 
 from edgetvm.build.cuts import cuts_of, forced_cuts, groups_of, joinable, run_key, runs
 from edgetvm.build.graph import BuildError
-from edgetvm.build.kernels import cluster_key, cluster_matmuls, cluster_rows, stage_cluster
+from edgetvm.build.kernels import (attention_kind, cluster_key, cluster_matmuls, cluster_rows,
+                                   stage_cluster)
 from edgetvm.errors import CandidateRejected
 from edgetvm.npu_regions import default_knobs
 from edgetvm.tir_schedules.attention import KNOBS_SINCE as ATTENTION_KNOBS_SINCE
@@ -339,7 +340,8 @@ def template_space(kind: str, graph, op, layout) -> tuple:
         space["rowsum_mma"] = [0, 1]
         space["two_pass"] = [0, 1]
     space["list_schedule"] = [0, 1]
-    return space, dict(rows=graph.rows, capacity=cap, q_heads=op.attrs["q_heads"],
+    rows = graph.rows if kind == "prefill_attention" else 1       # the queries
+    return space, dict(rows=rows, capacity=cap, q_heads=op.attrs["q_heads"],
                        kv_heads=layout.kv_heads, head_dim=layout.head_dim,
                        page_tokens=layout.page_tokens, alibi=bool(op.attrs.get("alibi")),
                        **({"softcap": True} if op.attrs.get("softcap") else {}))
@@ -364,7 +366,7 @@ def extract_tasks(mc, keys, strategy: str | None = None) -> list:
                     cluster, _ = stage_cluster(g, group, consumers)
                     kind, (space, shape) = "cluster", cluster_space(cluster)
                 elif op.kind == "attention":
-                    kind = f"{g.phase}_attention"
+                    kind = attention_kind(g, op)
                     space, shape = template_space(kind, g, op, mc.layout)
                 elif op.kind == "embedding":
                     kind = "embedding"

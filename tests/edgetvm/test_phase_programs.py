@@ -721,11 +721,19 @@ def test_fusion_changes_kernels_and_traffic_not_answers():
     assert progs["mega"].metadata["arena_bytes"] <= progs["op-library"].metadata["arena_bytes"]
 
 
-def test_a_template_constant_is_one_pack_tensor_for_every_kernel():
+def test_a_template_constant_is_one_pack_tensor_for_every_kernel(monkeypatch):
     """The prefill attention's column of ones (its row sums run on the matrix unit) is a
     template constant: every layer's kernel reads the same pack tensor, all ones, and no
-    caller binds it (the token-exact tests run the programs that read it)."""
-    mc = _compiler("llama", "regions")
+    caller binds it (the token-exact tests run the programs that read it). Every row's
+    logits are read here, so that every layer has a prefill attention (where only the last
+    row's are, the last layer's attends for that row alone, without the constant)."""
+    import functools
+
+    import edgetvm.build.compiler as compiler
+    monkeypatch.setattr(compiler, "extract_phase_graph",
+                        functools.partial(compiler.extract_phase_graph, logits_rows="all"))
+    mc = ModelCompiler(str(_path("llama")), max_tokens=MAX_TOKENS, strategy="regions",
+                       max_rows=16)
     prog = mc.program("prefill", 16, mc.phase_keys((16,))[0][2])
     g = mc.graph("prefill", 16, mc.phase_keys((16,))[0][2])
     attention = [k for k in prog.metadata["kernels"] if "attention" in str(k)]
@@ -996,24 +1004,46 @@ def test_default_clusters_record_the_order_they_were_lowered_in():
     assert seen == {0, 1}
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gemma2"])
-def test_the_last_layer_after_its_attention_runs_on_the_last_prompt_row_only(family):
-    """Only the last prompt row's logits are read, so everything after the last layer's
-    attention (output projection, residual adds, norms, MLP, final norm, lm_head, and the
-    host ops among them) computes that row alone, while the attention computes every row
-    (the KV cache keeps them all). Llama (sequential residual), GPT-NeoX (attention and MLP
-    in parallel from the same layer input) and Gemma 2 (norms after each sub-block, the
-    logits soft-capped on the host). A prompt of 5 tokens in the 8-row bucket: the row
-    read at run time is row 4, so a residual add, norm or MLP input read from the
-    bucket's last row (padding) or broadcast from the wrong row changes the answer."""
+@pytest.mark.parametrize("family,attends_one_row", [
+    ("llama", True), ("gpt_neox", True), ("gemma2", True), ("bloom", False), ("gemma3", True),
+    ("mpt", False)])
+def test_the_last_layer_after_its_attention_runs_on_the_last_prompt_row_only(
+        family, attends_one_row):
+    """Only the last prompt row's logits are read, so the last layer's attention attends
+    for that row alone, and everything after it (output projection, residual adds, norms,
+    MLP, final norm, lm_head, and the host ops among them) computes that row alone. The
+    last attention is a one-query (decode) attention kernel reading q at the runtime row
+    ``last_row``, over the pages up to ``valid_len``; the earlier layers' attentions compute
+    every row (their outputs feed the next layer's K and V). Llama (sequential residual),
+    GPT-NeoX (attention and MLP in parallel from the same layer input), Gemma 2 (norms
+    after each sub-block, soft-capped scores and logits), Gemma 3 (sliding windows). BLOOM's
+    and MPT's q (both ALiBi) is a column window of a fused QKV, whose K and V columns go
+    straight into the pages: their last attention keeps every row (a window at a runtime
+    row of that tensor is not addressed) and the projection after it reads the last row.
+    A prompt of 5 tokens in the 8-row bucket: the row read at run time is row 4, so a
+    query or input read from the bucket's last row (padding), keys past ``valid_len``
+    attended, or a row broadcast from the wrong one changes the answer."""
     mc = _compiler(family, "regions")
     g = mc.graph("prefill", 8, 1)
-    attn = max(i for i, op in enumerate(g.ops) if op.kind == "attention")
-    assert [t.shape[0] for t in g.ops[attn].outputs.values()] == [8]   # (rows, heads, d)
+    attns = [i for i, op in enumerate(g.ops) if op.kind == "attention"]
+    attn = attns[-1]
 
     def rows(op):
         return {int(np.prod(t.shape[:-1])) for t in op.outputs.values()}
 
+    last = g.ops[attn]
+    hq, d = last.attrs["q_heads"], last.attrs["head_dim"]
+    assert bool(last.attrs.get("last_row")) is attends_one_row
+    if attends_one_row:
+        assert rows(last) == {hq}                                 # (heads, d): one query
+        q = last.inputs["q"]
+        assert q.shape == (hq, d) and dict(q.offset.terms) == {"last_row": q.strides[0] * hq}
+        kernel = mc.kernels.kernel(g, [attn], g.consumers())
+        assert kernel.key.startswith("('decode_attention'")
+    else:
+        assert rows(last) == {8 * hq}                             # (rows, heads, d)
+    assert all(not g.ops[i].attrs.get("last_row") and rows(g.ops[i]) == {8 * hq}
+               for i in attns[:-1])
     after = [op for op in g.ops[attn + 1:] if op.outputs]
     assert len(after) >= 8 and all(rows(op) == {1} for op in after), \
         [(op.name, rows(op)) for op in after if rows(op) != {1}]
