@@ -358,8 +358,10 @@ class _Extractor:
         is in the set when every op that reads it is a row-local op computing the last
         row only: so the last layer's output projection, MLP and residual adds, the final
         norm and the lm_head run on that row alone, as llama.cpp's graphs skip the unused
-        rows in their last layer (``inp_out_ids``); its attention still computes every
-        row, whose K and V the cache keeps."""
+        rows in their last layer (``inp_out_ids``). The last layer's attention is in the
+        set too when its result is read at the last row only
+        (:meth:`_attention_of_rows`): it attends for the last query alone. Its q, K and V
+        are demanded whole: the cache keeps every row's K and V."""
         if self.logits_rows != "last" or self.rows <= 1:
             return set()
         body = self.main.body.body
