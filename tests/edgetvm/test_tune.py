@@ -1252,8 +1252,10 @@ def test_every_program_counts_alike_in_a_tasks_weight(tmp_path, mc):
                    if prog in s.task.per_program)
         assert part == total
     one = [s for s in tuner.states if len(s.task.per_program) == 1]
-    short = min(totals, key=totals.get)
-    long_ = max(totals, key=totals.get)
+    owned = {p for s in one for p in s.task.per_program}     # programs with a task alone
+    short = min(owned, key=totals.get)
+    long_ = max(owned, key=totals.get)
+    assert totals[short] < totals[long_]
     a = next(s for s in one if short in s.task.per_program)
     b = next(s for s in one if long_ in s.task.per_program)
     assert tuner.weight(a) == pytest.approx(a.task.per_program[short] / totals[short])
