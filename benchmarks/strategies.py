@@ -116,11 +116,15 @@ class Bench:
         before = mc.search(profile).measurements
         if scope == "layer":
             g = sub_graph(g, *layer_slice(g))
-        groups = mc.partition(g, strategy, profile)
-        # a whole program's prefetches as a build links them: where a replayed log
-        # measured the program faster with each at the kernel before's end, so
+        # a whole program as a build links it: with the strategy's partition and default
+        # knobs where a replayed log measured that faster (or the tuned one over the
+        # budget), and its prefetches at the kernel before's end where it measured that so
+        defaults = scope == "model" and mc.builds_defaults(phase, rows, pages, strategy)
+        groups = mc.strategy_partition(g, strategy, profile, defaults=True) if defaults \
+            else mc.partition(g, strategy, profile)
         spread = mc.spreads(phase, rows, pages, strategy) if scope == "model" else None
         program = mc.link(g, groups, f"{scope}_{phase}_{rows}x{pages}p_{strategy}",
+                          kernels=mc.kernels.without_replay() if defaults else None,
                           spread=spread, strategy=strategy)
         return program, len(groups), time.time() - t0, mc.search(profile).measurements - before
 
