@@ -112,21 +112,20 @@ class Bench:
         """(program, clusters, build seconds, edgellm measurements)."""
         mc = self.mc
         t0 = time.time()
-        g = mc.graph(phase, rows, pages)
+        g = mc.graph(phase, rows, pages)            # (first: it makes mc.kernels)
         before = mc.search(profile).measurements
-        if scope == "layer":
+        if scope == "model":
+            # the whole program as a build links it (with a replayed log: the defaults
+            # where it measured them faster, the prefetches placed as it measured them)
+            program = mc.program(phase, rows, pages, strategy, keep=False, profile=profile)
+            clusters = len(program.metadata["kernels"])
+        else:
             g = sub_graph(g, *layer_slice(g))
-        # a whole program as a build links it: with the strategy's partition and default
-        # knobs where a replayed log measured that faster (or the tuned one over the
-        # budget), and its prefetches at the kernel before's end where it measured that so
-        defaults = scope == "model" and mc.builds_defaults(phase, rows, pages, strategy)
-        groups = mc.strategy_partition(g, strategy, profile, defaults=True) if defaults \
-            else mc.partition(g, strategy, profile)
-        spread = mc.spreads(phase, rows, pages, strategy) if scope == "model" else None
-        program = mc.link(g, groups, f"{scope}_{phase}_{rows}x{pages}p_{strategy}",
-                          kernels=mc.kernels.without_replay() if defaults else None,
-                          spread=spread, strategy=strategy)
-        return program, len(groups), time.time() - t0, mc.search(profile).measurements - before
+            groups = mc.partition(g, strategy, profile)
+            program = mc.link(g, groups, f"{scope}_{phase}_{rows}x{pages}p_{strategy}",
+                              strategy=strategy)
+            clusters = len(groups)
+        return program, clusters, time.time() - t0, mc.search(profile).measurements - before
 
     def inputs(self, case, vocab):
         """(ids, past) of a case, the same for every strategy: random token ids, and for

@@ -263,13 +263,15 @@ class ModelCompiler:
         return self.spread_prefetch and (self.spread_for is None or bool(self.spread_for(
             program_name((phase, rows, pages)), self.build_identity(strategy))))
 
-    def groups(self, phase: str, rows: int, pages: int, strategy: str | None = None):
+    def groups(self, phase: str, rows: int, pages: int, strategy: str | None = None,
+               profile: str | None = None):
         """The partition :meth:`program` links: the strategy's, with the log's cuts, or
-        alone where :meth:`builds_defaults`."""
+        alone where :meth:`builds_defaults` (``profile``: the one an ``edgellm`` search
+        measures under, default the compiler's)."""
         g = self.graph(phase, rows, pages)
         if self.builds_defaults(phase, rows, pages, strategy):
-            return self.strategy_partition(g, strategy, defaults=True)
-        return self.partition(g, strategy)
+            return self.strategy_partition(g, strategy, profile, defaults=True)
+        return self.partition(g, strategy, profile)
 
     def replay(self, replay) -> None:
         """Build from now on as the tuning log's ``replay`` says
@@ -287,13 +289,14 @@ class ModelCompiler:
         self._linked.clear()
 
     def program(self, phase: str, rows: int, pages: int, strategy: str | None = None,
-                groups=None, keep: bool = True, spread: bool | None = None):
+                groups=None, keep: bool = True, spread: bool | None = None,
+                profile: str | None = None):
         """The linked whole-phase program (``groups``: a partition to use instead of the
         strategy's; ``keep``: kept for the next call; ``spread``: whether its prefetches
-        may be spread, instead of :meth:`spreads`)."""
+        may be spread, instead of :meth:`spreads`; ``profile``: see :meth:`groups`)."""
         strategy = strategy or self.strategy
         key = (phase, rows, pages, strategy)
-        cache = groups is None and keep and spread is None
+        cache = groups is None and keep and spread is None and profile is None
         if cache and key in self._linked:
             return self._linked[key]
         if rows > self.max_rows:
@@ -305,7 +308,7 @@ class ModelCompiler:
             spread = self.spreads(phase, rows, pages, strategy) if groups is None \
                 else self.spread_prefetch
         if groups is None:
-            groups = self.groups(phase, rows, pages, strategy)
+            groups = self.groups(phase, rows, pages, strategy, profile)
         program = self.link(g, groups, program_name((phase, rows, pages)),
                             kernels=self._builder(defaults), spread=spread, strategy=strategy)
         if cache:
